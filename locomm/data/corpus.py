@@ -1,0 +1,249 @@
+"""Corpora: byte tokenizer, the default standard-library corpus, text, .bin memmaps, HF datasets.
+
+Notable:
+- The default corpus is this Python's own standard library source, found through
+  ``sysconfig``: every machine that runs locomm has real training text with no
+  download. Files are read in sorted order, so the token stream is the same on
+  every machine with the same Python version.
+- The validation split is chosen per file by a hash of its relative path, so it
+  never moves when files are added elsewhere, and no file is in both splits.
+- A worker's batches come from its own contiguous shard of the training stream,
+  drawn by a generator seeded from (seed, worker id): workers see disjoint data
+  and runs are reproducible. Many simulated workers share one token array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from locomm.config import DataConfig
+
+BOS, EOS, PAD = 256, 257, 258
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".toml", ".cfg", ".ini", ".c", ".h", ".html",
+                 ".css", ".js", ".csv", ".tex", ".yaml", ".yml", ".xml", ".sh"}
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be used: missing path, no text, a binary file."""
+
+
+class ByteTokenizer:
+    """256 byte values plus BOS, EOS and PAD. Lossless for any bytes."""
+
+    vocab_size = 259
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, tokens: np.ndarray | list[int]) -> str:
+        arr = np.asarray(tokens)
+        return bytes(arr[arr < 256].astype(np.uint8)).decode("utf-8", errors="replace")
+
+
+@dataclass
+class TokenSplits:
+    """Token streams of one corpus: train and held-out validation."""
+
+    train: np.ndarray  # (N,) uint16/uint32 token ids
+    val: np.ndarray
+    description: str
+
+    def unigram_nats(self) -> float:
+        """Entropy (nats/token) of the validation split's unigram distribution."""
+        counts = np.bincount(self.val.astype(np.int64))
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+
+def _is_val(rel_path: str, val_percent: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:8], "little")
+    return (h % 10_000) < val_percent * 100
+
+
+def _looks_binary(chunk: bytes) -> bool:
+    return b"\x00" in chunk
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_files(root: Path) -> list[Path]:
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not (skip & set(p.relative_to(root).parts)))
+
+
+def _read_files(files: list[Path], root: Path, cfg: DataConfig, strict: bool) -> TokenSplits:
+    budget = int(cfg.max_corpus_mb * 1e6)
+    train_parts: list[bytes] = []
+    val_parts: list[bytes] = []
+    total = 0
+    for f in files:
+        try:
+            data = f.read_bytes()
+        except OSError as e:
+            if strict:
+                raise CorpusError(f"cannot read {f}: {e}") from None
+            continue
+        if _looks_binary(data[:8192]):
+            if strict:
+                raise CorpusError(f"{f} looks like a binary file (it contains NUL bytes); "
+                                  "give a text file, a folder of text files or a .bin token file")
+            continue
+        if not data.strip():
+            continue
+        rel = f.relative_to(root).as_posix() if f != root else f.name
+        (val_parts if _is_val(rel, cfg.val_percent) else train_parts).append(data)
+        total += len(data)
+        if total >= budget:
+            break
+    if not train_parts and not val_parts:
+        raise CorpusError(f"corpus at {root} holds no text files")
+    if not val_parts or not train_parts:
+        # Too few files to split by file: split the one stream by bytes instead.
+        blob = b"".join(train_parts + val_parts)
+        cut = int(len(blob) * (1 - cfg.val_percent / 100))
+        if cut < cfg.seq_len + 1 or len(blob) - cut < cfg.seq_len + 1:
+            raise CorpusError(f"corpus at {root} is too small ({len(blob)} bytes) for seq_len={cfg.seq_len}")
+        train_parts, val_parts = [blob[:cut]], [blob[cut:]]
+    return TokenSplits(train=_join(train_parts), val=_join(val_parts),
+                       description=f"{root} ({total / 1e6:.1f} MB text)")
+
+
+def _join(parts: list[bytes]) -> np.ndarray:
+    """Concatenate documents as bytes, each followed by EOS, into one uint16 stream."""
+    n = sum(len(p) + 1 for p in parts)
+    out = np.empty(n, dtype=np.uint16)
+    i = 0
+    for p in parts:
+        out[i:i + len(p)] = np.frombuffer(p, dtype=np.uint8)
+        out[i + len(p)] = EOS
+        i += len(p) + 1
+    return out
+
+
+def _load_bin(path: Path, cfg: DataConfig) -> TokenSplits:
+    dtype = np.dtype(cfg.bin_dtype)
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise CorpusError(f"{path}: size {size} is not a non-zero multiple of {cfg.bin_dtype} "
+                          f"({dtype.itemsize} bytes); is data.bin_dtype right?")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    cut = int(len(tokens) * (1 - cfg.val_percent / 100))
+    if cut < cfg.seq_len + 1 or len(tokens) - cut < cfg.seq_len + 1:
+        raise CorpusError(f"{path}: {len(tokens)} tokens is too few for seq_len={cfg.seq_len}")
+    return TokenSplits(train=tokens[:cut], val=tokens[cut:], description=f"{path} ({len(tokens)} tokens)")
+
+
+def _load_hf(spec: str, cfg: DataConfig) -> TokenSplits:
+    try:
+        import datasets  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        raise CorpusError("corpus 'hf:...' needs the optional 'datasets' package: pip install 'locomm[hf]'") from None
+    name, _, subset = spec.partition(":")
+    try:
+        ds = datasets.load_dataset(name, subset or None, split="train")
+    except Exception as e:  # network, missing dataset: a clear message, not a traceback
+        raise CorpusError(f"cannot load Hugging Face dataset {spec!r}: {e}") from None
+    col = "text" if "text" in ds.column_names else ds.column_names[0]
+    budget = int(cfg.max_corpus_mb * 1e6)
+    train_parts: list[bytes] = []
+    val_parts: list[bytes] = []
+    total = 0
+    for i, row in enumerate(ds):
+        data = str(row[col]).encode("utf-8")
+        (val_parts if _is_val(f"{i}", cfg.val_percent) else train_parts).append(data)
+        total += len(data)
+        if total >= budget:
+            break
+    if not train_parts or not val_parts:
+        raise CorpusError(f"Hugging Face dataset {spec!r} gave too little text")
+    return TokenSplits(train=_join(train_parts), val=_join(val_parts), description=f"hf:{spec}")
+
+
+def load_corpus(cfg: DataConfig) -> TokenSplits:
+    """Read the corpus a data config names. Raises CorpusError with a clear message."""
+    if cfg.corpus == "stdlib":
+        root = stdlib_root()
+        files = _stdlib_files(root)
+        if not files:
+            raise CorpusError(f"no Python standard library source found under {root}")
+        splits = _read_files(files, root, cfg, strict=False)
+        splits.description = f"Python standard library at {root} ({len(splits.train) + len(splits.val):,} bytes)"
+        return splits
+    if cfg.corpus.startswith("hf:"):
+        return _load_hf(cfg.corpus[3:], cfg)
+    path = Path(cfg.corpus).expanduser()
+    if not path.exists():
+        raise CorpusError(f"corpus path {str(path)!r} does not exist")
+    if path.is_file() and path.suffix == ".bin":
+        return _load_bin(path, cfg)
+    if path.is_file():
+        return _read_files([path], path, cfg, strict=True)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES or not p.suffix))
+    if not files:
+        raise CorpusError(f"folder {str(path)!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES))})")
+    return _read_files(files, path, cfg, strict=False)
+
+
+class BatchSampler:
+    """Random (B, T+1) windows from one worker's shard of a token stream.
+
+    Worker ``worker_id`` of ``num_workers`` owns the contiguous slice
+    ``[id * N / W, (id + 1) * N / W)`` of the stream and draws window offsets with
+    a generator seeded from (seed, worker_id).
+    """
+
+    def __init__(self, tokens: np.ndarray, cfg: DataConfig, seed: int, worker_id: int = 0,
+                 num_workers: int = 1) -> None:
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker_id {worker_id} is not in [0, {num_workers})")
+        n = len(tokens)
+        lo, hi = worker_id * n // num_workers, (worker_id + 1) * n // num_workers
+        if hi - lo < cfg.seq_len + 2:
+            raise CorpusError(f"training split ({n} tokens) is too small for {num_workers} workers "
+                              f"with seq_len={cfg.seq_len}")
+        self.shard = tokens[lo:hi]
+        self.seq_len = cfg.seq_len
+        self.batch_size = cfg.batch_size
+        self.rng = np.random.Generator(np.random.PCG64([seed, worker_id, 0x10C0]))
+
+    def state(self) -> dict:
+        return self.rng.bit_generator.state
+
+    def set_state(self, state: dict) -> None:
+        self.rng.bit_generator.state = state
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each (B, T) int64."""
+        starts = self.rng.integers(0, len(self.shard) - self.seq_len - 1, size=self.batch_size)
+        return _windows(self.shard, starts, self.seq_len)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
+    w = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))  # (B, T+1)
+    return w[:, :-1], w[:, 1:]
+
+
+def eval_batches(tokens: np.ndarray, cfg: DataConfig, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of evenly spaced validation windows (the same for every worker and run)."""
+    n_windows = n_batches * cfg.batch_size
+    last = len(tokens) - cfg.seq_len - 1
+    if last < 0:
+        raise CorpusError(f"validation split ({len(tokens)} tokens) is shorter than seq_len={cfg.seq_len}")
+    starts = np.linspace(0, last, n_windows).astype(np.int64)
+    return [_windows(tokens, starts[i:i + cfg.batch_size], cfg.seq_len)
+            for i in range(0, n_windows, cfg.batch_size)]
+
+
+def nats_to_bits(nats: float) -> float:
+    return nats / math.log(2)

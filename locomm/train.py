@@ -1,0 +1,183 @@
+"""The inner training loop, shared by single-node training, the simulator and the peer daemon.
+
+Notable:
+- ``Trainer`` owns one model replica, its inner optimizer, LR schedule and batch
+  sampler; ``train_step`` is the whole inner step and fits on one screen. Outer
+  algorithms act on ``trainer.model`` between steps and never reach inside.
+- On CUDA the forward pass runs under bf16 autocast; the weights and optimizer
+  state stay fp32.
+- Evaluation uses a fixed set of validation windows, so numbers from different
+  workers, runs and algorithms are comparable. Loss is in nats per byte (the
+  tokenizer is byte-level, so per token = per byte).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from locomm.checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, load_checkpoint,
+                               load_model_tensors, model_tensors, save_checkpoint)
+from locomm.config import RunSpec
+from locomm.data import BatchSampler, TokenSplits, eval_batches, load_corpus
+from locomm.model import build_model
+from locomm.optim import build_optimizer, cosine_with_warmup
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or None/'auto' (CUDA when available)."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device "
+                         f"(torch {torch.__version__}; a CPU build?)")
+    return dev
+
+
+class Trainer:
+    """One worker's model, inner optimizer, schedule and data shard."""
+
+    def __init__(self, spec: RunSpec, *, device: str | torch.device = "cpu", splits: TokenSplits | None = None,
+                 worker_id: int = 0, num_workers: int = 1) -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+        self.splits = splits if splits is not None else load_corpus(spec.data)
+        # Every worker starts from the same weights (the seed is the run's, not the worker's).
+        self.model = build_model(spec.model, seed=spec.train.seed, device=self.device)
+        self.optimizer = build_optimizer(self.model.parameters(), spec.inner)
+        self.sampler = BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=worker_id,
+                                    num_workers=num_workers)
+        self._val = eval_batches(self.splits.val, spec.data, spec.train.eval_batches)
+        self.step = 0
+        self.tokens_per_step = spec.data.batch_size * spec.data.seq_len
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def lr_at(self, step: int) -> float:
+        c = self.spec.inner
+        return c.lr * cosine_with_warmup(step, c.warmup_steps, self.spec.train.steps, c.min_lr_ratio)
+
+    def train_step(self) -> float:
+        """One inner step on the next batch; returns the training loss (nats/byte)."""
+        x, y = self.sampler.next()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.model.train()
+        with self.autocast():
+            loss = self.model(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.spec.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.inner.grad_clip, foreach=True)
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        return loss.item()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss in nats/byte over the fixed validation windows."""
+        self.model.eval()
+        total = 0.0
+        for x, y in self._val:
+            with self.autocast():
+                total += self.model(x.to(self.device), y.to(self.device)).item()
+        return total / len(self._val)
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / CHECKPOINT_NAME
+        save_checkpoint(path, Checkpoint(step=self.step, spec_hash=self.spec.hash(),
+                                         model=model_tensors(self.model), optimizer=self.optimizer.state_dict(),
+                                         extra={"sampler": self.sampler.state()}))
+        return path
+
+    def try_resume(self, directory: Path) -> bool:
+        """Load ``directory``'s checkpoint if there is one; it must come from the same run spec."""
+        path = Path(directory) / CHECKPOINT_NAME
+        if not path.exists():
+            return False
+        ckpt = load_checkpoint(path)
+        if ckpt.spec_hash != self.spec.hash():
+            raise CheckpointError(f"{path} was written by a different run spec (hash {ckpt.spec_hash[:12]}, "
+                                  f"this run {self.spec.hash()[:12]}); use another --checkpoint-dir")
+        load_model_tensors(self.model, ckpt.model)
+        if ckpt.optimizer is not None:
+            self.optimizer.load_state_dict(ckpt.optimizer)
+        if "sampler" in ckpt.extra:
+            self.sampler.set_state(ckpt.extra["sampler"])
+        self.step = ckpt.step
+        return True
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    val_loss: float
+    unigram_nats: float
+    tokens_per_s: float
+    train_loss: float
+    wall_s: float
+    parameters: int
+    resumed_from: int
+
+    def as_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["val_bits_per_byte"] = self.val_loss / math.log(2)
+        d["unigram_bits_per_byte"] = self.unigram_nats / math.log(2)
+        return d
+
+
+def train(spec: RunSpec, *, device: str | torch.device = "cpu", checkpoint_dir: Path | None = None,
+          on_step: Callable[[int, float, float], None] | None = None,
+          on_eval: Callable[[int, float], None] | None = None) -> TrainResult:
+    """Train one node for ``spec.train.steps`` inner steps, resuming from ``checkpoint_dir`` if it holds one.
+
+    ``on_step(step, loss, tokens_per_s)`` and ``on_eval(step, val_loss)`` report progress. On
+    KeyboardInterrupt the current state is checkpointed (when a dir is given) before re-raising.
+    """
+    trainer = Trainer(spec, device=device)
+    resumed = trainer.step if checkpoint_dir and trainer.try_resume(checkpoint_dir) else 0
+    c = spec.train
+    t0 = time.perf_counter()
+    done_tokens = 0
+    loss = float("nan")
+    try:
+        while trainer.step < c.steps:
+            loss = trainer.train_step()
+            done_tokens += trainer.tokens_per_step
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"training loss became {loss} at step {trainer.step}; "
+                                         "lower inner.lr or raise inner.warmup_steps")
+            if on_step:
+                on_step(trainer.step, loss, done_tokens / (time.perf_counter() - t0))
+            if c.eval_interval and trainer.step % c.eval_interval == 0 and trainer.step < c.steps and on_eval:
+                on_eval(trainer.step, trainer.evaluate())
+            if checkpoint_dir and c.checkpoint_interval and trainer.step % c.checkpoint_interval == 0:
+                trainer.save(checkpoint_dir)
+    except KeyboardInterrupt:
+        if checkpoint_dir:
+            trainer.save(checkpoint_dir)
+        raise
+    wall = time.perf_counter() - t0
+    val = trainer.evaluate()
+    if on_eval:
+        on_eval(trainer.step, val)
+    if checkpoint_dir:
+        trainer.save(checkpoint_dir)
+    return TrainResult(steps=trainer.step, val_loss=val, unigram_nats=trainer.splits.unigram_nats(),
+                       tokens_per_s=done_tokens / wall if wall > 0 else 0.0, train_loss=loss, wall_s=wall,
+                       parameters=trainer.model.num_parameters(), resumed_from=resumed)

@@ -1,0 +1,54 @@
+"""SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo's outer loop on sparse 2-bit updates.
+
+    D_r    = phi - theta_r                      # this worker's pseudo-gradient
+    e_r    = beta*e_r + D_r                     # error feedback   } the topk2bit codec,
+    Dhat_r = Q2(TopK_per_chunk(e_r))            # chunked top-k    } which keeps e_r
+    e_r    = e_r - Dhat_r                       #                  }
+    D      = mean over the workers that sent each index
+    phi    = phi - alpha*D ;  theta_r = phi     # no outer momentum
+
+The payload is the codec's bytes, so the bytes on the wire are exactly what the
+codec produced. Equations from secondary summaries (ALGORITHMS.md §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from locomm.config import OuterConfig
+from locomm.protocol.base import Exchange, OuterAlgorithm, Params, Payload
+
+
+def default_codec_factory(cfg: OuterConfig) -> Callable[[], Any]:
+    from locomm.compression import get_codec  # noqa: PLC0415 - protocol -> compression, lazily
+
+    return lambda: get_codec("topk2bit", density=cfg.sparse_density, beta=cfg.sparse_ef_beta)
+
+
+class SparseLoCo(OuterAlgorithm):
+    name = "sparseloco"
+
+    def __init__(self, cfg: OuterConfig, params: Params, me: int,
+                 codec_factory: Callable[[], Any] | None = None) -> None:
+        super().__init__(cfg, params, me)
+        make = codec_factory or default_codec_factory(cfg)
+        self.codecs = {k: make() for k in self.phi}  # one error-feedback buffer per parameter
+
+    def plan(self, round_idx: int, members: Sequence[int], params: Params) -> Exchange:
+        payload: Payload = {f"sparse/{k}": self.codecs[k].encode(self.phi[k] - p.detach().float())
+                            for k, p in params.items()}
+        return Exchange(peers=[m for m in members if m != self.me], payload=payload, collective=True)
+
+    def apply(self, round_idx: int, params: Params, received: Mapping[int, Payload]) -> None:
+        for k, phi in self.phi.items():
+            total = torch.zeros_like(phi)
+            count = torch.zeros_like(phi)
+            for pl in received.values():
+                d = self.codecs[k].decode(pl[f"sparse/{k}"]).float().reshape(phi.shape)
+                total.add_(d)
+                count.add_((d != 0).float())
+            phi.sub_(total.div_(count.clamp_(min=1)), alpha=self.cfg.sparse_lr)
+        self._set_params(params, self.phi)

@@ -61,3 +61,78 @@ def run_train(spec: RunSpec, *, device: str, checkpoint_dir: Path | None, quiet:
                       f"({out['val_bits_per_byte']:.3f} bits/byte; unigram {out['unigram_nats']:.4f}), "
                       f"{out['tokens_per_s']:,.0f} tokens/s, {out['parameters']:,} parameters")
     return out
+
+
+def run_simulation(spec: RunSpec, *, workers: int, rounds: int, link_bps: float, latency_s: float,
+                   heterogeneity: float, tflops: float, codec: str, eval_every: int, quiet: bool,
+                   plot: Path | None) -> dict[str, Any]:
+    """Run the simulator with a progress bar over rounds; returns the JSON summary."""
+    from locomm.config import ConfigError  # noqa: PLC0415
+    from locomm.sim import Simulator, network_for  # noqa: PLC0415
+    from locomm.sim.network import flops_step_s  # noqa: PLC0415
+
+    console = Console(stderr=True)
+    try:
+        sim = Simulator(spec, workers, codec=codec, eval_every=eval_every)
+    except (ConfigError, CorpusError, ValueError) as e:
+        console.print(f"[red]error:[/] {e}")
+        sys.exit(2)
+    params = sim.trainers[0].model.num_parameters()
+    step_s = flops_step_s(params, sim.trainers[0].tokens_per_step, tflops)
+    with progress_bar(console, quiet) as bar:
+        task = bar.add_task(f"{spec.outer.algo} x{workers}", total=rounds, info="")
+
+        def on_round(r: int, res: Any) -> None:
+            bar.update(task, completed=r + 1, info=f"val {res.val_loss[-1]:.3f} | train {res.train_loss[-1]:.3f}")
+
+        try:
+            res = sim.run(rounds, on_round=on_round)
+        except FloatingPointError as e:
+            console.print(f"[red]error:[/] {e}")
+            sys.exit(2)
+    wall, done, idle = network_for(res, link_bps=link_bps, latency_s=latency_s, heterogeneity=heterogeneity,
+                                   step_s=step_s, seed=spec.train.seed)
+    out = {
+        "algo": spec.outer.algo, "workers": workers, "rounds": rounds, "inner_steps": spec.outer.inner_steps,
+        "final_val_loss": res.final_val_loss, "initial_val_loss": res.val_loss[0],
+        "final_val_spread": res.val_spread[-1],
+        "bytes_sent_per_worker": sum(res.bytes_sent) / workers,
+        "bytes_received_per_worker": sum(res.bytes_received) / workers,
+        "sim_wall_clock_s": wall, "idle_fraction": idle, "max_weight_distance": sim.weight_distance(),
+        "link_bps": link_bps, "latency_s": latency_s, "heterogeneity": heterogeneity, "step_s": step_s,
+        "parameters": params, "real_wall_s": res.wall_s, "codec": codec,
+        "curve": {"steps": res.steps, "val_loss": res.val_loss,
+                  "sim_time_s": res.curve_times(done)},
+    }
+    if plot:
+        write_plot(plot, [out])
+    if not quiet:
+        console.print(f"{out['algo']} x{workers}: val {out['final_val_loss']:.4f} nats/byte "
+                      f"(from {out['initial_val_loss']:.3f}), {out['bytes_sent_per_worker'] / 1e6:.2f} MB sent "
+                      f"per worker, simulated {wall:.2f} s, idle {100 * idle:.1f}%")
+    return out
+
+
+def write_plot(path: Path, runs: list[dict[str, Any]]) -> None:
+    """Validation loss against inner step and against simulated time, one line per run."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'locomm[plot]'") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        label = f"{run['algo']} x{run['workers']}"
+        ax1.plot(run["curve"]["steps"], run["curve"]["val_loss"], marker=".", label=label)
+        ax2.plot(run["curve"]["sim_time_s"], run["curve"]["val_loss"], marker=".", label=label)
+    ax1.set_xlabel("inner step")
+    ax2.set_xlabel("simulated time (s)")
+    for ax in (ax1, ax2):
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -37,6 +37,8 @@ class Checkpoint:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Other named tensors, e.g. an outer algorithm's state."""
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -89,6 +91,7 @@ def load_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
 
 def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
     tensors = {f"model/{k}": v.detach().cpu().contiguous() for k, v in ckpt.model.items()}
+    tensors.update({f"aux/{k}": v.detach().cpu().contiguous().clone() for k, v in ckpt.aux.items()})
     meta: dict[str, Any] = {"format": FORMAT_VERSION, "step": ckpt.step, "spec_hash": ckpt.spec_hash,
                             "extra": ckpt.extra}
     if ckpt.optimizer is not None:
@@ -117,6 +120,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unsupported checkpoint format {meta.get('format')!r}")
     model = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    aux = {k[len("aux/"):]: v for k, v in tensors.items() if k.startswith("aux/")}
     optimizer = None
     if "optim_groups" in meta:
         state: dict[int, dict[str, Any]] = {}
@@ -128,4 +132,4 @@ def load_checkpoint(path: Path) -> Checkpoint:
             state.setdefault(int(idx), {}).update(sc)
         optimizer = {"state": state, "param_groups": meta["optim_groups"]}
     return Checkpoint(step=int(meta["step"]), spec_hash=meta["spec_hash"], model=model, optimizer=optimizer,
-                      extra=meta.get("extra", {}))
+                      extra=meta.get("extra", {}), aux=aux)

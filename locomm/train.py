@@ -98,18 +98,20 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
 
-    def save(self, directory: Path) -> Path:
+    def save(self, directory: Path, *, aux: dict[str, torch.Tensor] | None = None,
+             extra: dict[str, Any] | None = None) -> Path:
+        """Checkpoint atomically; ``aux`` tensors and ``extra`` metadata (an outer algorithm's) ride along."""
         path = Path(directory) / CHECKPOINT_NAME
         save_checkpoint(path, Checkpoint(step=self.step, spec_hash=self.spec.hash(),
                                          model=model_tensors(self.model), optimizer=self.optimizer.state_dict(),
-                                         extra={"sampler": self.sampler.state()}))
+                                         extra={"sampler": self.sampler.state(), **(extra or {})}, aux=aux or {}))
         return path
 
-    def try_resume(self, directory: Path) -> bool:
-        """Load ``directory``'s checkpoint if there is one; it must come from the same run spec."""
+    def try_resume(self, directory: Path) -> Checkpoint | None:
+        """Load ``directory``'s checkpoint if there is one (it must come from the same run spec) and return it."""
         path = Path(directory) / CHECKPOINT_NAME
         if not path.exists():
-            return False
+            return None
         ckpt = load_checkpoint(path)
         if ckpt.spec_hash != self.spec.hash():
             raise CheckpointError(f"{path} was written by a different run spec (hash {ckpt.spec_hash[:12]}, "
@@ -120,7 +122,7 @@ class Trainer:
         if "sampler" in ckpt.extra:
             self.sampler.set_state(ckpt.extra["sampler"])
         self.step = ckpt.step
-        return True
+        return ckpt
 
 
 @dataclass
@@ -150,7 +152,7 @@ def train(spec: RunSpec, *, device: str | torch.device = "cpu", checkpoint_dir: 
     KeyboardInterrupt the current state is checkpointed (when a dir is given) before re-raising.
     """
     trainer = Trainer(spec, device=device)
-    resumed = trainer.step if checkpoint_dir and trainer.try_resume(checkpoint_dir) else 0
+    resumed = trainer.step if checkpoint_dir and trainer.try_resume(checkpoint_dir) is not None else 0
     c = spec.train
     t0 = time.perf_counter()
     done_tokens = 0

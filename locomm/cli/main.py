@@ -120,6 +120,120 @@ def simulate(algo: str, workers: int, rounds: int, inner_steps: int | None, link
         emit_json(result)
 
 
+@cli.command()
+@click.option("--initial-peers", multiple=True, help="Multiaddr of a peer in the swarm (repeatable). "
+              "None: start a new swarm.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), help="Run spec (TOML). A joiner refuses a "
+              "swarm whose spec differs; without it, a joiner takes the swarm's spec.")
+@click.option("--preset", type=PRESETS, help="Model preset of a new swarm (default nano).")
+@click.option("--algo", type=click.Choice(["noloco", "gasloc", "sparseloco"]), help="Outer algorithm of a new swarm.")
+@click.option("--inner-steps", type=int, help="H of a new swarm.")
+@click.option("--host-maddrs", multiple=True, default=["/ip4/127.0.0.1/tcp/0"], show_default=True,
+              help="Where p2pd listens; /ip4/0.0.0.0/tcp/31337 to accept peers from other machines.")
+@click.option("--announce-maddrs", multiple=True, help="Addresses others should dial (behind NAT/port forward).")
+@click.option("--identity", type=click.Path(dir_okay=False, path_type=Path), help="Private key file: a stable peer id.")
+@click.option("--device", default=lambda: os.environ.get("LOCOMM_DEVICE", "auto"), show_default="auto")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Checkpoint here and resume from it.")
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT (0: any free port).")
+@click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="JSON-lines event log.")
+@click.option("--rounds", type=int, help="Stop after this many rounds.")
+@click.option("--shard", help="Data shard as INDEX/COUNT (default: from the peer id).")
+@click.option("--no-overlap", is_flag=True, help="Apply each exchange before the next inner step.")
+@click.option("--announce-file", type=click.Path(dir_okay=False, path_type=Path), hidden=True)
+@click.option("--final-weights", type=click.Path(dir_okay=False, path_type=Path), hidden=True)
+@click.option("--until-round", type=int, hidden=True)
+@click.option("--wait-for-peers", type=int, default=0, help="Before training, wait up to a minute for N peers.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
+@click.option("-v", "--verbose", count=True)
+def join(initial_peers: tuple[str, ...], config: str | None, preset: str | None, algo: str | None,
+         inner_steps: int | None, host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...],
+         identity: Path | None, device: str, checkpoint_dir: Path | None, metrics_port: int | None,
+         log_file: Path | None, rounds: int | None, shard: str | None, no_overlap: bool,
+         announce_file: Path | None, final_weights: Path | None, until_round: int | None, wait_for_peers: int,
+         as_json: bool,
+         verbose: int) -> None:
+    """Join a training swarm (or start one) and train until the run ends or Ctrl-C."""
+    try:
+        spec = load_spec(config, preset or (None if config else "nano"))
+        if not config:
+            spec = spec.replace("outer", algo=algo or "noloco",
+                                **({"inner_steps": inner_steps} if inner_steps is not None else {}))
+        elif algo or inner_steps:
+            raise ConfigError("--algo/--inner-steps set the spec of a new swarm; put them in --config instead")
+        shard_t = _parse_shard(shard) if shard else None
+        if rounds is not None and rounds < 1:
+            raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
+    except ConfigError as e:
+        fail(str(e))
+    from locomm.peer.daemon import run_node  # noqa: PLC0415 - imports torch and hivemind
+
+    summary = run_node(spec, initial_peers=initial_peers, spec_from_user=bool(config), host_maddrs=host_maddrs,
+                       announce_maddrs=announce_maddrs, identity=identity, device=device,
+                       checkpoint_dir=checkpoint_dir, metrics_port=metrics_port, log_file=log_file, rounds=rounds,
+                       shard=shard_t, overlap=not no_overlap, announce_file=announce_file,
+                       final_weights=final_weights, until_round=until_round, wait_for_peers=wait_for_peers,
+                       verbose=verbose)
+    if as_json:
+        emit_json(summary)
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ConfigError(f"--shard: expected INDEX/COUNT, got {text!r}") from None
+    if not 0 <= i < n:
+        raise ConfigError(f"--shard: index {i} not in [0, {n})")
+    return i, n
+
+
+@cli.command()
+@click.option("--peers", type=int, default=3, show_default=True, help="Peer processes to start on loopback.")
+@click.option("--rounds", type=int, default=5, show_default=True, help="Outer rounds each peer trains.")
+@click.option("--algo", type=click.Choice(["noloco", "gasloc", "sparseloco"]), default="noloco", show_default=True)
+@click.option("--inner-steps", type=int, help="H (default: the preset's, 50).")
+@click.option("--preset", type=PRESETS, help="Model preset (default nano).")
+@click.option("--config", "config", type=click.Path(dir_okay=False), help="Run spec (TOML).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=Path("locomm-swarm.png"),
+              show_default=True, help="Loss plot written at the end.")
+@click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
+              help="Copy the peers' logs, checkpoints and final weights here.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
+def swarm(peers: int, rounds: int, algo: str, inner_steps: int | None, preset: str | None, config: str | None,
+          plot: Path, keep: Path | None, as_json: bool) -> None:
+    """Start a local swarm of real peers on loopback and train it."""
+    try:
+        if not 2 <= peers <= 32:
+            raise ConfigError(f"--peers: must be in [2, 32], got {peers}")
+        if rounds < 1:
+            raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
+        spec = load_spec(config, preset or (None if config else "nano"))
+        spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps is not None else {}))
+        if rounds * spec.outer.inner_steps > spec.train.steps:  # the LR schedule spans the whole run
+            spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)
+    except ConfigError as e:
+        fail(str(e))
+    from locomm.peer.local_swarm import run_swarm  # noqa: PLC0415
+
+    summary = run_swarm(spec, peers=peers, rounds=rounds, quiet=as_json, plot=plot, keep=keep)
+    if as_json:
+        emit_json(summary)
+    if summary["failed_peers"]:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--initial-peers", multiple=True, required=True, help="Multiaddr of any peer in the swarm.")
+@click.option("--watch", is_flag=True, help="Refresh every 2 seconds until Ctrl-C.")
+@click.option("--json", "as_json", is_flag=True, help="Print the swarm as one JSON object.")
+def status(initial_peers: tuple[str, ...], watch: bool, as_json: bool) -> None:
+    """Show a running swarm from its DHT records: peers, rounds, loss, throughput, traffic."""
+    from locomm.peer.status import show_status  # noqa: PLC0415
+
+    show_status(list(initial_peers), watch=watch, as_json=as_json)
+
+
 @cli.group()
 def bench() -> None:
     """Micro-benchmarks."""

@@ -49,6 +49,8 @@ class OuterAlgorithm(ABC):
     """One worker's view of an outer algorithm."""
 
     name: ClassVar[str]
+    payload_prefixes: ClassVar[tuple[str, ...]]
+    """Payload keys are f"{prefix}/{parameter name}" for each prefix."""
 
     def __init__(self, cfg: OuterConfig, params: Params, me: int) -> None:
         self.cfg = cfg
@@ -70,8 +72,20 @@ class OuterAlgorithm(ABC):
                 p.copy_(source[k])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Outer state as flat named tensors (for checkpoints and state sync)."""
+        """Outer state as flat named tensors "{buffer}/{parameter}" (for checkpoints and state sync)."""
         return {f"phi/{k}": v for k, v in self.phi.items()}
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load what ``state_dict`` produced (a checkpoint, or a donor's state)."""
+        own = self.state_dict()
+        missing = set(own) - set(tensors)
+        if missing:
+            raise KeyError(f"outer state lacks {sorted(missing)[:3]}")
+        for key, target in own.items():
+            src = tensors[key]
+            if src.shape != target.shape:
+                raise ValueError(f"outer state {key}: shape {tuple(src.shape)} != {tuple(target.shape)}")
+            target.copy_(src)
 
 
 def mean_of(payloads: Sequence[Payload], key: str) -> torch.Tensor:

@@ -25,6 +25,7 @@ from locomm.protocol.schedule import group_of, noloco_groups
 
 class NoLoCo(OuterAlgorithm):
     name = "noloco"
+    payload_prefixes = ("phi", "delta")
 
     def __init__(self, cfg: OuterConfig, params: Params, me: int) -> None:
         super().__init__(cfg, params, me)

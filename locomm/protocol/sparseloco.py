@@ -30,6 +30,7 @@ def default_codec_factory(cfg: OuterConfig) -> Callable[[], Any]:
 
 class SparseLoCo(OuterAlgorithm):
     name = "sparseloco"
+    payload_prefixes = ("sparse",)
 
     def __init__(self, cfg: OuterConfig, params: Params, me: int,
                  codec_factory: Callable[[], Any] | None = None) -> None:

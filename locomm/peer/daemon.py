@@ -1,0 +1,41 @@
+"""Process-level entry for a node: logging, uvloop, the event loop, exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from locomm.config import ConfigError, RunSpec
+from locomm.data import CorpusError
+from locomm.peer.node import Node, NodeOptions
+
+
+def setup_logging(verbose: int) -> None:
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("locomm").setLevel(logging.INFO if verbose == 0 else level)
+    if verbose < 2:  # hivemind is chatty at INFO
+        logging.getLogger("hivemind").setLevel(logging.WARNING)
+
+
+def run_node(spec: RunSpec, *, verbose: int = 0, **options: Any) -> dict[str, Any]:
+    """Run one node to completion in a fresh event loop (uvloop when installed)."""
+    setup_logging(verbose)
+    try:
+        node = Node(spec, NodeOptions(**options))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        import uvloop  # noqa: PLC0415
+
+        runner: Any = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        return runner(node.run())
+    except (ConfigError, CorpusError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

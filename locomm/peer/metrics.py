@@ -1,0 +1,78 @@
+"""Observability: Prometheus metrics on a local port and JSON-lines event logs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+
+class Metrics:
+    """Gauges and counters of one node; served over HTTP when a port is given."""
+
+    def __init__(self, port: int | None, peer: str) -> None:
+        self.port: int | None = None
+        self._server: Any = None
+        if port is None:
+            self._g = None
+            return
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server  # noqa: PLC0415
+
+        reg = CollectorRegistry()
+        labels = {"peer": peer[-12:]}
+        self._g = {
+            "round": Gauge("locomm_round", "Outer round", registry=reg, labelnames=["peer"]).labels(**labels),
+            "step": Gauge("locomm_step", "Inner step", registry=reg, labelnames=["peer"]).labels(**labels),
+            "loss": Gauge("locomm_train_loss", "Training loss (nats/byte)", registry=reg,
+                          labelnames=["peer"]).labels(**labels),
+            "tokens_per_s": Gauge("locomm_tokens_per_second", "Training throughput", registry=reg,
+                                  labelnames=["peer"]).labels(**labels),
+            "members": Gauge("locomm_members", "Members of the current round", registry=reg,
+                             labelnames=["peer"]).labels(**labels),
+            "bytes_sent": Gauge("locomm_bytes_sent", "Payload bytes sent", registry=reg,
+                                labelnames=["peer"]).labels(**labels),
+            "bytes_received": Gauge("locomm_bytes_received", "Payload bytes received", registry=reg,
+                                    labelnames=["peer"]).labels(**labels),
+            "wait_s": Gauge("locomm_compute_wait_seconds", "Time compute waited on the network", registry=reg,
+                            labelnames=["peer"]).labels(**labels),
+        }
+        self._faults = Counter("locomm_faults", "Faults recorded against peers", registry=reg)
+        self._server, _ = start_http_server(port, addr="127.0.0.1", registry=reg)
+        self.port = self._server.server_port
+
+    def set(self, **values: float) -> None:
+        if self._g is None:
+            return
+        for k, v in values.items():
+            if k in self._g:
+                self._g[k].set(v)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+class EventLog:
+    """Appends one JSON object per line (flushed, so a watcher sees it at once)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._f: IO[str] | None = None
+        self._lock = threading.Lock()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._f is None:
+            return
+        with self._lock:
+            self._f.write(json.dumps({"event": event, "time": time.time(), **fields}, default=float) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None

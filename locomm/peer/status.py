@@ -1,0 +1,88 @@
+"""`locomm-peer status`: read the run spec and heartbeats from the DHT and print the swarm."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+STALE_AFTER_S = 15.0
+
+
+async def snapshot(initial_peers: list[str]) -> dict[str, Any]:
+    from hivemind.dht import DHTNode  # noqa: PLC0415
+    from hivemind.p2p import P2P  # noqa: PLC0415
+    from hivemind.utils import get_dht_time  # noqa: PLC0415
+
+    from locomm.peer.swarm import fetch_spec, read_heartbeats  # noqa: PLC0415
+
+    p2p = await P2P.create(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True)
+        try:
+            spec = await fetch_spec(dht)
+            if spec is None:
+                return {"error": "no locomm run spec in this DHT"}
+            run_id = spec["hash"][:16]
+            beats = await read_heartbeats(dht, run_id)
+            now = get_dht_time()
+            peers = []
+            for b in beats:
+                f = b.fields
+                peers.append({"peer": b.peer, "round": b.round, "join_round": b.join_round, "step": f.get("step"),
+                              "loss": f.get("loss"), "val_loss": f.get("val_loss"),
+                              "tokens_per_s": f.get("tokens_per_s"), "bytes_sent": f.get("bytes_sent"),
+                              "last_exchange_s_ago": (time.time() - f["last_exchange"]) if f.get("last_exchange")
+                              else None, "heartbeat_age_s": now - float(f.get("time", now)),
+                              "version": f.get("version")})
+            return {"run": run_id, "spec_hash": spec["hash"], "protocol_version": spec["version"], "peers": peers}
+        finally:
+            await dht.shutdown()
+    finally:
+        await p2p.shutdown()
+
+
+def render(snap: dict[str, Any]) -> Table:
+    t = Table(title=f"run {snap.get('run', '?')}: {len(snap.get('peers', []))} peers")
+    for col in ("peer", "round", "step", "loss", "val", "tok/s", "MB sent", "last exchange", "staleness"):
+        t.add_column(col, justify="right")
+    top = max((p["round"] for p in snap.get("peers", [])), default=0)
+    for p in snap.get("peers", []):
+        stale = p["heartbeat_age_s"] > STALE_AFTER_S
+        t.add_row(p["peer"][-10:], str(p["round"]), str(p["step"]), _f(p["loss"]), _f(p["val_loss"]),
+                  _f(p["tokens_per_s"], "{:,.0f}"), _f((p["bytes_sent"] or 0) / 1e6, "{:.1f}"),
+                  _f(p["last_exchange_s_ago"], "{:.0f}s ago"),
+                  f"{top - p['round']} rounds" + (" (stale)" if stale else ""))
+    return t
+
+
+def _f(x: Any, fmt: str = "{:.3f}") -> str:
+    return fmt.format(x) if isinstance(x, (int, float)) else "-"
+
+
+def show_status(initial_peers: list[str], *, watch: bool, as_json: bool) -> None:
+    console = Console()
+    try:
+        while True:
+            try:
+                snap = asyncio.run(asyncio.wait_for(snapshot(initial_peers), 60))
+            except Exception as e:  # unreachable swarm, bad multiaddr: one line, not a traceback
+                print(f"error: cannot read the swarm: {type(e).__name__}: {e}", file=sys.stderr)
+                sys.exit(2)
+            if "error" in snap:
+                print(f"error: {snap['error']}", file=sys.stderr)
+                sys.exit(2)
+            if as_json:
+                print(json.dumps(snap, sort_keys=True, default=float), flush=True)
+            else:
+                console.print(render(snap))
+            if not watch:
+                return
+            time.sleep(2)
+    except KeyboardInterrupt:
+        return

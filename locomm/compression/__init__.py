@@ -1,0 +1,123 @@
+"""Tensor codecs for locomm: one file per codec, one small interface, stacks by name.
+
+Public API::
+
+    codec = get_codec("lossless")                 # or "topk2bit", "bf16+lossless", ...
+    data = codec.encode(tensor)                   # bytes
+    tensor = codec.decode(data)                   # CodecError on bad input
+    codec = codec_for_role(TensorRole.ACTIVATION, {"activation": "bf16+lossless"})
+
+Codecs: ``lossless`` (bit-exact exponent coding), ``topk2bit`` (SparseLoCo),
+``scape`` (SCAPE masks), ``blockwise8`` (bitsandbytes), ``fp16``/``bf16``
+(casts), ``subspace`` (Protocol Models). Stateful codecs (error feedback,
+masks) keep their state in the object: build one codec per tensor stream.
+Nothing here imports asyncio or sockets; bitsandbytes and numba load lazily
+on first use of the codec that needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Mapping
+
+from locomm.compression.base import Codec, CodecError, PartsCodec, TensorRole
+from locomm.compression.stack import CodecStack
+
+# name -> "module:Class"; modules import lazily so unused dependencies never load.
+_REGISTRY: dict[str, str] = {
+    "lossless": "locomm.compression.lossless:LosslessCodec",
+    "topk2bit": "locomm.compression.topk2bit:TopK2BitCodec",
+    "scape": "locomm.compression.scape:ScapeCodec",
+    "blockwise8": "locomm.compression.blockwise8:Blockwise8Codec",
+    "fp16": "locomm.compression.cast:Fp16Codec",
+    "bf16": "locomm.compression.cast:Bf16Codec",
+    "subspace": "locomm.compression.subspace:SubspaceCodec",
+}
+
+DEFAULT_ROLE_CODECS: dict[TensorRole, str] = {
+    TensorRole.PARAMETER: "lossless",
+    TensorRole.OUTER_GRADIENT: "lossless",
+    TensorRole.ACTIVATION: "bf16+lossless",
+    TensorRole.ACT_GRADIENT: "bf16+lossless",
+}
+"""Safe defaults: lossless where precision matters, bf16 for pipeline traffic."""
+
+
+def available_codecs() -> list[str]:
+    """Names accepted by :func:`get_codec` (join with ``+`` to stack)."""
+    return sorted(_REGISTRY)
+
+
+def codec_class(name: str) -> type[Codec]:
+    """The class registered under ``name``."""
+    try:
+        mod, cls = _REGISTRY[name].split(":")
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; choose from {', '.join(available_codecs())}") from None
+    return getattr(importlib.import_module(mod), cls)  # type: ignore[no-any-return]
+
+
+def get_codec(name: str, **options: Any) -> Codec:
+    """Build a codec, or a stack for ``"a+b+..."`` (lossy stages first, lossless last).
+
+    Options of a single codec are its constructor's keyword arguments. For a
+    stack, pass ``{codec_name: {...}}`` per stage, or flat keywords, each of
+    which goes to every stage whose constructor accepts it.
+
+    Raises:
+        ValueError: unknown name, or an option no stage accepts.
+    """
+    names = [n.strip() for n in name.split("+")]
+    if len(names) == 1:
+        return codec_class(names[0])(**options)
+    per_stage: dict[str, dict[str, Any]] = {n: {} for n in names}
+    for key, value in options.items():
+        if key in per_stage and isinstance(value, Mapping):
+            per_stage[key].update(value)
+            continue
+        takers = [n for n in names if key in inspect.signature(codec_class(n).__init__).parameters]
+        if not takers:
+            raise ValueError(f"no stage of {name!r} takes option {key!r}")
+        for n in takers:
+            per_stage[n][key] = value
+    return CodecStack([codec_class(n)(**per_stage[n]) for n in names])
+
+
+def codec_for_role(role: TensorRole | str, mapping: Mapping[TensorRole | str, Any] | None = None) -> Codec:
+    """A fresh codec for a tensor role, from a run spec's role -> codec mapping.
+
+    Mapping values may be a codec name (``"topk2bit+lossless"``), a dict
+    ``{"name": ..., **options}``, or a ready :class:`Codec` (returned as is).
+    Keys may be :class:`TensorRole` members or their string values. Roles
+    missing from ``mapping`` fall back to :data:`DEFAULT_ROLE_CODECS`.
+    """
+    role = TensorRole(role) if isinstance(role, str) else role
+    spec: Any = None
+    for key, value in (mapping or {}).items():
+        if (TensorRole(key) if isinstance(key, str) else key) is role:
+            spec = value
+    if spec is None:
+        spec = DEFAULT_ROLE_CODECS[role]
+    if isinstance(spec, Codec):
+        return spec
+    if isinstance(spec, str):
+        return get_codec(spec)
+    if isinstance(spec, Mapping):
+        opts = dict(spec)
+        return get_codec(opts.pop("name"), **opts)
+    raise TypeError(f"cannot build a codec from {spec!r}")
+
+
+__all__ = [
+    "Codec",
+    "CodecError",
+    "CodecStack",
+    "DEFAULT_ROLE_CODECS",
+    "PartsCodec",
+    "TensorRole",
+    "available_codecs",
+    "codec_class",
+    "codec_for_role",
+    "get_codec",
+]

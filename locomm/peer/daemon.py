@@ -13,9 +13,13 @@ from locomm.peer.node import Node, NodeOptions
 
 
 def setup_logging(verbose: int) -> None:
-    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("locomm").setLevel(logging.INFO if verbose == 0 else level)
+    level = logging.DEBUG if verbose > 1 else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours = logging.getLogger("locomm")
+    ours.handlers[:] = [handler]
+    ours.setLevel(level)
+    ours.propagate = False  # hivemind configures the root logger too; print our lines once
     if verbose < 2:  # hivemind is chatty at INFO
         logging.getLogger("hivemind").setLevel(logging.WARNING)
 

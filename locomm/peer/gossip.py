@@ -123,10 +123,14 @@ class Gossip:
                 return ErrorCode.NOT_READY, "mailbox full for this round"
             if set(t.name for t in msg.tensors) != set(self.expected):
                 raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "payload does not hold every expected tensor")
-            payload: dict[str, Any] = {}
+            # Read every declared body first (sizes are validated and bounded): a sender whose payload
+            # turns out bad still gets its error code instead of a reset stream.
+            bodies = []
             for entry in msg.tensors:
-                data = await read_exact(reader, entry.nbytes, self.timeout)
-                self.stats.bytes_received += len(data)
+                bodies.append(await read_exact(reader, entry.nbytes, self.timeout))
+                self.stats.bytes_received += entry.nbytes
+            payload: dict[str, Any] = {}
+            for entry, data in zip(msg.tensors, bodies):
                 spec = self.expected[entry.name]
                 if entry.name in self.raw_bytes_tensors:
                     self._check_raw(entry.name, data, spec)

@@ -1,0 +1,270 @@
+"""Swarm tests: real `locomm-peer join` processes over hivemind's p2pd and DHT on loopback.
+
+Every peer binds port 0 on 127.0.0.1 and the test reads the real address back from
+the peer's announce file. Each peer runs in its own process group, which the test
+kills at the end, so no p2pd outlives a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from locomm.config import RunSpec
+from locomm.data import load_corpus
+from locomm.sim import Simulator
+from locomm.train import Trainer
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def swarm_spec(tmp: Path, max_faults: int = 3, **outer) -> Path:
+    spec = (RunSpec.preset("nano")
+            .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
+            .replace("outer", algo="noloco", inner_steps=outer.pop("inner_steps", 10), **outer)
+            .replace("train", steps=400, eval_batches=2, eval_interval=0)
+            .replace("network", request_timeout_s=6.0, heartbeat_interval_s=1.0, heartbeat_ttl_s=4.0,
+                     max_faults_before_ban=max_faults))
+    path = tmp / "run.toml"
+    spec.save(path)
+    return path
+
+
+class Peer:
+    def __init__(self, tmp: Path, name: str, config: Path, *args: str, initial: str | None = None) -> None:
+        self.log = tmp / f"{name}.jsonl"
+        self.weights = tmp / f"{name}.safetensors"
+        self.addr = tmp / f"{name}.addr"
+        cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(config), "--device", "cpu",
+               "--log-file", str(self.log), "--final-weights", str(self.weights), "--announce-file",
+               str(self.addr), *args]
+        if initial:
+            cmd += ["--initial-peers", initial]
+        self.err = open(tmp / f"{name}.err", "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.err, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, env=env)
+        self.errfile = tmp / f"{name}.err"
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        if not self.log.exists():
+            return []
+        out = []
+        for line in self.log.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if kind is None or e["event"] == kind:
+                out.append(e)
+        return out
+
+    def round(self) -> int:
+        rounds = self.events("round")
+        return rounds[-1]["round"] if rounds else 0
+
+    def address(self, timeout: float = 90) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.addr.exists() and self.addr.read_text().strip():
+                return self.addr.read_text().split()[0]
+            assert self.proc.poll() is None, self.errfile.read_text()[-3000:]
+            time.sleep(0.1)
+        raise TimeoutError("peer did not come up")
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.err.close()
+
+
+def wait_until(cond, timeout: float, what: str, peers=()) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        for p in peers:
+            assert p.proc.poll() is None or p.proc.returncode == 0, p.errfile.read_text()[-3000:]
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def flat(path: Path) -> torch.Tensor:
+    w = load_file(str(path))
+    return torch.cat([w[k].flatten() for k in sorted(w)])
+
+
+def test_three_peers_join_and_kill(tmp_path):
+    """3 peers train; a 4th joins mid-run and syncs state; one is SIGKILLed; the rest finish."""
+    cfg = swarm_spec(tmp_path)
+    end = "--until-round", "60"
+    peers: list[Peer] = []
+    try:
+        peers.append(Peer(tmp_path, "p0", cfg, *end, "--wait-for-peers", "3", "--shard", "0/4"))
+        boot = peers[0].address()
+        peers += [Peer(tmp_path, f"p{i}", cfg, *end, "--wait-for-peers", "3", "--shard", f"{i}/4", initial=boot)
+                  for i in (1, 2)]
+        wait_until(lambda: min(p.round() for p in peers) >= 3, 180, "3 peers reach round 3", peers)
+        joiner = Peer(tmp_path, "p3", cfg, *end, "--shard", "3/4", initial=boot)
+        peers.append(joiner)
+        wait_until(lambda: joiner.events("synced") and joiner.events("started")
+                   and joiner.round() >= joiner.events("started")[0]["round"] + 1,
+                   120, "the joiner syncs and trains a round", peers)
+        os.kill(peers[1].proc.pid, signal.SIGKILL)  # the peer process only; its p2pd is orphaned
+        survivors = [peers[0], peers[2], joiner]
+        for p in survivors:
+            assert p.wait(timeout=240) == 0, p.errfile.read_text()[-3000:]
+    finally:
+        for p in peers:
+            p.kill_group()
+
+    synced = joiner.events("synced")[0]
+    assert synced["donor_round"] >= 3 and joiner.events("started")[0]["round"] >= synced["donor_round"]
+    for p in survivors:
+        fin = p.events("finished")[0]
+        assert fin["rounds_completed"] == 60
+        assert fin["exchanges_ok"] > 0
+    for p in (peers[0], peers[2]):
+        fin = p.events("finished")[0]
+        assert fin["final_loss"] < fin["initial_loss"] - 1.0
+    # The joiner started from the swarm's state, not from scratch: its first evaluation is already low.
+    joined = joiner.events("finished")[0]
+    assert joined["initial_loss"] < peers[0].events("finished")[0]["initial_loss"] - 1.0
+    assert joined["final_loss"] < joined["initial_loss"] + 0.05
+
+    # Gossip pulls peers together: far closer than two workers trained alone on their shards.
+    dist = max(float((flat(a.weights) - flat(b.weights)).norm()) for a in survivors for b in survivors if a is not b)
+    spec = RunSpec.load(cfg)
+    splits = load_corpus(spec.data)
+    alone = [Trainer(spec, splits=splits, worker_id=i, num_workers=4) for i in (0, 2)]
+    for t in alone:
+        for _ in range(60 * spec.outer.inner_steps):
+            t.train_step()
+    apart = float((torch.cat([p.detach().flatten() for _, p in sorted(alone[0].model.named_parameters())])
+                   - torch.cat([p.detach().flatten() for _, p in sorted(alone[1].model.named_parameters())])).norm())
+    assert dist < 0.5 * apart, (dist, apart)
+
+
+def test_two_peer_noloco_matches_simulator(tmp_path):
+    """Deterministic 2-peer NoLoCo over the network gives the simulator's weights."""
+    cfg = swarm_spec(tmp_path, inner_steps=5)
+    rounds = 3
+    spec = RunSpec.load(cfg)
+    args = ("--until-round", str(rounds), "--no-overlap", "--wait-for-peers", "2")
+    peers: list[Peer] = []
+    try:
+        peers.append(Peer(tmp_path, "a", cfg, *args, "--shard", "0/2"))
+        peers.append(Peer(tmp_path, "b", cfg, *args, "--shard", "1/2", initial=peers[0].address()))
+        for p in peers:
+            assert p.wait(timeout=240) == 0, p.errfile.read_text()[-3000:]
+    finally:
+        for p in peers:
+            p.kill_group()
+    for p in peers:
+        assert all(e["answered"] == 1 for e in p.events("round")), p.events("round")
+    sim = Simulator(spec, 2)
+    sim.run(rounds)
+    for p, algo in zip(peers, sim.algos):
+        net = load_file(str(p.weights))
+        for k, v in algo.phi.items():
+            assert torch.allclose(net[k], v, atol=1e-5, rtol=1e-4), k
+
+
+def test_malformed_messages_get_error_codes(tmp_path):
+    """Garbage, wrong versions, oversized and non-finite payloads are answered with codes; the peer trains on."""
+    import asyncio
+
+    import msgpack
+    from hivemind.p2p import P2P, PeerID
+
+    from locomm import PROTOCOL_VERSION
+    from locomm.protocol.messages import ErrorCode
+
+    cfg = swarm_spec(tmp_path, max_faults=9, inner_steps=10)
+    spec = RunSpec.load(cfg)
+    peer = Peer(tmp_path, "target", cfg, "--until-round", "40")
+    try:
+        boot = peer.address()
+        wait_until(lambda: peer.events("started"), 60, "peer starts", [peer])
+        started = peer.events("started")[0]
+        run, target = started["run"], started["peer"]
+        handler = f"locomm.{run}.push"
+        from locomm.model import build_model
+
+        names = [n for n, _ in build_model(spec.model).named_parameters()]
+        shapes = dict((n, list(p.shape)) for n, p in build_model(spec.model).named_parameters())
+
+        async def probe() -> dict[str, int]:
+            client = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            me = client.peer_id.to_base58()
+
+            async def send(raw: bytes) -> int:
+                _, reader, writer = await client.call_binary_stream_handler(PeerID.from_base58(target), handler)
+                writer.write(raw)
+                await writer.drain()
+                n = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), 30), "big")
+                resp = msgpack.unpackb(await reader.readexactly(n))
+                writer.close()
+                return resp["status"]
+
+            def frame(header: dict, body: bytes = b"") -> bytes:
+                h = msgpack.packb(header)
+                return len(h).to_bytes(4, "big") + h + body
+
+            from locomm.compression import get_codec
+
+            codec = get_codec(spec.compression.outer_gradient)
+            base = {"v": PROTOCOL_VERSION, "run": run, "type": "push", "round": 0, "sender": me}
+            nan = {f"{pre}/{n}": codec.encode(torch.full(shapes[n], float("nan")))
+                   for pre in ("delta", "phi") for n in names}
+            entries = [{"name": k, "codec": spec.compression.outer_gradient, "nbytes": len(v),
+                        "shape": shapes[k.split("/", 1)[1]]} for k, v in sorted(nan.items())]
+            codes = {
+                "garbage": await send(b"\x00\x00\x00\x08" + b"\xc1" * 8),
+                "huge_header": await send((1 << 30).to_bytes(4, "big")),
+                "bad_version": await send(frame({**base, "v": 999})),
+                "wrong_run": await send(frame({**base, "run": "0" * 16})),
+                "wrong_type": await send(frame({**base, "round": "three"})),
+                "oversized": await send(frame({**base, "tensors": [{**entries[0], "nbytes": 10**12}]})),
+                "bad_shape": await send(frame({**base, "tensors": [{**entries[0], "shape": [3, 3]}] + entries[1:]})),
+                "unknown_tensor": await send(frame({**base, "tensors": [{**entries[0], "name": "evil"}]})),
+            }
+            now = {**base, "round": peer.round(), "tensors": entries}  # within the peer's round window
+            codes["nan"] = await send(frame(now, b"".join(nan[e["name"]] for e in entries)))
+            codes["after_nine_faults"] = await send(frame(base))
+            await client.shutdown()
+            return codes
+
+        codes = asyncio.run(probe())
+        assert codes == {
+            "garbage": ErrorCode.MALFORMED, "huge_header": ErrorCode.TOO_LARGE, "bad_version": ErrorCode.BAD_VERSION,
+            "wrong_run": ErrorCode.WRONG_RUN, "wrong_type": ErrorCode.MALFORMED, "oversized": ErrorCode.TOO_LARGE,
+            "bad_shape": ErrorCode.BAD_SHAPE, "unknown_tensor": ErrorCode.UNEXPECTED_TENSOR,
+            "nan": ErrorCode.NOT_FINITE,
+            # max_faults_before_ban = 9: the sender is now banned before anything it sends is read.
+            "after_nine_faults": ErrorCode.BANNED,
+        }
+        assert peer.wait(timeout=180) == 0, peer.errfile.read_text()[-3000:]
+    finally:
+        peer.kill_group()
+    fin = peer.events("finished")[0]
+    assert fin["rounds_completed"] == 40 and fin["final_loss"] < fin["initial_loss"]
+    assert fin["errors_answered"]["BANNED"] >= 1

@@ -126,7 +126,8 @@ def simulate(algo: str, workers: int, rounds: int, inner_steps: int | None, link
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="Run spec (TOML). A joiner refuses a "
               "swarm whose spec differs; without it, a joiner takes the swarm's spec.")
 @click.option("--preset", type=PRESETS, help="Model preset of a new swarm (default nano).")
-@click.option("--algo", type=click.Choice(["noloco", "gasloc", "sparseloco"]), help="Outer algorithm of a new swarm.")
+@click.option("--algo", type=click.Choice(["noloco", "gasloc", "sparseloco", "diloco"]),
+              help="Outer algorithm of a new swarm (diloco: over hivemind's DecentralizedAverager).")
 @click.option("--inner-steps", type=int, help="H of a new swarm.")
 @click.option("--host-maddrs", multiple=True, default=["/ip4/127.0.0.1/tcp/0"], show_default=True,
               help="Where p2pd listens; /ip4/0.0.0.0/tcp/31337 to accept peers from other machines.")
@@ -191,7 +192,8 @@ def _parse_shard(text: str) -> tuple[int, int]:
 @cli.command()
 @click.option("--peers", type=int, default=3, show_default=True, help="Peer processes to start on loopback.")
 @click.option("--rounds", type=int, default=5, show_default=True, help="Outer rounds each peer trains.")
-@click.option("--algo", type=click.Choice(["noloco", "gasloc", "sparseloco"]), default="noloco", show_default=True)
+@click.option("--algo", type=click.Choice(["noloco", "gasloc", "sparseloco", "diloco"]), default="noloco",
+              show_default=True)
 @click.option("--inner-steps", type=int, help="H (default: the preset's, 50).")
 @click.option("--preset", type=PRESETS, help="Model preset (default nano).")
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="Run spec (TOML).")

@@ -121,7 +121,7 @@ def write_plot(path: Path, runs: list[dict[str, Any]]) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'locomm[plot]'") from None
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
         label = f"{run['algo']} x{run['workers']}"

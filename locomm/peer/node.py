@@ -87,9 +87,9 @@ class NodeOptions:
 
 class Node:
     def __init__(self, spec: RunSpec, opts: NodeOptions) -> None:
-        if spec.outer.algo not in ("noloco", "gasloc", "sparseloco"):
-            raise ConfigError(f"outer.algo: the peer daemon runs noloco, gasloc or sparseloco; {spec.outer.algo!r} "
-                              "is a simulator baseline (locomm-peer simulate)")
+        if spec.outer.algo not in ("noloco", "gasloc", "sparseloco", "diloco"):
+            raise ConfigError(f"outer.algo: the peer daemon runs noloco, gasloc, sparseloco or diloco; "
+                              f"{spec.outer.algo!r} is a simulator baseline (locomm-peer simulate)")
         self.spec = spec
         self.opts = opts
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locomm-compute")
@@ -97,6 +97,7 @@ class Node:
         self.events = EventLog(opts.log_file)
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
+        self.averager: Any = None
         self.round = 0
         self.join_round = 0
         self.last_loss = float("nan")
@@ -230,7 +231,8 @@ class Node:
                   "loss": _finite(self.last_loss), "val_loss": _finite(self.val_loss),
                   "tokens_per_s": self.tokens_per_s, "bytes_sent": self.gossip.stats.bytes_sent,
                   "last_exchange": self.gossip.stats.last_exchange, "version": __version__,
-                  "maddrs": [str(m) for m in self.maddrs]}
+                  "maddrs": [str(m) for m in self.maddrs],
+                  "avg_maddrs": self.averager.maddrs() if self.averager is not None else []}
         await store_heartbeat(self.dht, self.run_id, self.me, record, self.spec.network.heartbeat_ttl_s)
 
     async def _heartbeat_loop(self) -> None:
@@ -250,17 +252,25 @@ class Node:
         sent = {k: p.detach().clone() for k, p in self.params().items()}
         return self.algo.plan(round_idx, members, self.params()), sent
 
-    def _apply(self, round_idx: int, plan: Any, sent: dict[str, torch.Tensor], received: dict[str, Any]) -> None:
+    def _apply(self, round_idx: int, sent: dict[str, torch.Tensor], inputs: dict[str, Any]) -> None:
         """Outer update for the state we sent; local progress made since then is kept on top."""
         target = {k: v.clone() for k, v in sent.items()}
-        self.algo.apply(round_idx, target, {self.me: plan.payload, **received})
+        self.algo.apply(round_idx, target, inputs)
         with torch.no_grad():
             for k, p in self.params().items():
                 p.add_(target[k] - sent[k])
         self.state_server.snapshot = Snapshot.take(round_idx, self._state_tensors())
 
-    async def _exchange(self, round_idx: int, plan: Any) -> dict[str, Any]:
-        return await self.gossip.exchange(round_idx, plan.peers, plan.payload)
+    async def _exchange(self, round_idx: int, plan: Any) -> tuple[dict[str, Any], int]:
+        """Everything the outer rule needs (our own payload included), and how many partners answered."""
+        if self.averager is not None:  # DiLoCo: hivemind's all-reduce gives the group mean directly
+            out = await self.averager.exchange(plan.payload)
+            if out is None:
+                return {self.me: plan.payload}, 0
+            mean, group = out
+            return {"group-mean": mean}, group - 1
+        got = await self.gossip.exchange(round_idx, plan.peers, plan.payload)
+        return {self.me: plan.payload, **got}, len(got)
 
     async def _finish(self, pending: tuple[int, Any, dict, asyncio.Task] | None) -> int:
         """Wait for an in-flight exchange and apply it; returns how many partners answered."""
@@ -268,11 +278,11 @@ class Node:
             return 0
         r, plan, sent, task = pending
         t0 = time.perf_counter()
-        received = await task
+        inputs, answered = await task
         self.wait_s += time.perf_counter() - t0
-        await self.compute(self._apply, r, plan, sent, received)
-        self.last_answered = len(received)
-        return len(received)
+        await self.compute(self._apply, r, sent, inputs)
+        self.last_answered = answered
+        return answered
 
     async def _train(self, end_round: int) -> None:
         assert self.dht is not None
@@ -346,6 +356,7 @@ class Node:
                                   "step": 0, "version": __version__, "maddrs": [str(m) for m in self.maddrs]},
                                   self.spec.network.heartbeat_ttl_s)
             first_heartbeat_s = time.perf_counter() - t_launch
+            first_heartbeat_at = time.time()
             shard = self.opts.shard or (int(self.me.encode().hex()[-8:], 16) % 64, 64)
             await self.compute(self._build, shard)
             self.metrics = Metrics(self.opts.metrics_port, self.me)
@@ -362,6 +373,8 @@ class Node:
             self.state_server = StateServer(self.p2p, self.run_id, cfg.request_timeout_s)
             await self.gossip.start()
             await self.state_server.start()
+            if self.spec.outer.algo == "diloco":
+                await self._start_averager()
             resumed = await self.compute(self._resume)
             if self.opts.initial_peers:
                 await self._enter_swarm(resumed)
@@ -372,6 +385,7 @@ class Node:
                 self.opts.announce_file.write_text("\n".join(str(m) for m in self.maddrs) + "\n")
             self.events.write("started", peer=self.me, maddrs=[str(m) for m in self.maddrs], round=self.round,
                               run=self.run_id, resumed=resumed, first_heartbeat_s=first_heartbeat_s,
+                              first_heartbeat_at=first_heartbeat_at,
                               metrics_port=self.metrics.port, algo=self.spec.outer.algo)
             log.info("peer %s up; others join with --initial-peers %s", self.me, self.maddrs[0] if self.maddrs else "?")
             if self.opts.wait_for_peers > 1:
@@ -412,7 +426,28 @@ class Node:
                     await hb_task
             await self._shutdown()
 
+    async def _start_averager(self) -> None:
+        from locomm.peer.averaging import AveragerExchange  # noqa: PLC0415 - only the DiLoCo baseline
+
+        assert self.dht is not None
+        bootstrap: list[str] = []
+        for _ in range(120 if self.opts.initial_peers else 1):  # a joiner needs someone's averager address
+            beats = [b for b in await read_heartbeats(self.dht, self.run_id) if b.peer != self.me]
+            bootstrap = [m for b in beats for m in b.fields.get("avg_maddrs", []) or [] if isinstance(m, str)]
+            if bootstrap or not self.opts.initial_peers:
+                break
+            await asyncio.sleep(0.5)
+        names = sorted(self._expected_payload())
+        shapes = {n: torch.Size(self._expected_payload()[n].shape) for n in names}
+        group = self.opts.wait_for_peers if self.opts.wait_for_peers > 1 else None
+        self.averager = await asyncio.to_thread(
+            AveragerExchange, names, shapes, run_id=self.run_id, initial_peers=bootstrap,
+            timeout=self.spec.network.request_timeout_s, group_size=group)
+
     async def _shutdown(self) -> None:
+        if self.averager is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.averager.shutdown)
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
         if self.dht is not None:

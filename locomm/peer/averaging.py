@@ -1,0 +1,66 @@
+"""DiLoCo's all-reduce over hivemind's DecentralizedAverager: the baseline users run today.
+
+This is the one place locomm uses ``hivemind.DHT`` (which forks a process with a
+p2pd of its own) instead of the node's in-loop ``DHTNode``: DecentralizedAverager
+needs it. The averager's DHT is a second identity in the process; its address
+travels in the node's heartbeat (``avg_maddrs``) so joiners can bootstrap it.
+NoLoCo, GASLoC and SparseLoCo never touch this module.
+
+Each round the worker's pseudo-gradients (phi - theta) go into the averager's
+tensors, one ``step()`` all-reduces them over whoever matched into the group, and
+the protocol core's DiLoCo rule is applied to the mean. A failed or timed-out
+step is data: the round goes on with this worker's own pseudo-gradient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class AveragerExchange:
+    """Owns a hivemind.DHT and a DecentralizedAverager for one node's DiLoCo rounds."""
+
+    def __init__(self, names: list[str], shapes: Mapping[str, torch.Size], *, run_id: str,
+                 initial_peers: list[str], timeout: float, group_size: int | None) -> None:
+        import hivemind  # noqa: PLC0415
+
+        self.names = names
+        self.timeout = timeout
+        self.dht = hivemind.DHT(start=True, initial_peers=initial_peers or None,
+                                host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        tensors = [torch.zeros(shapes[n], dtype=torch.float32) for n in names]
+        self.averager = hivemind.averaging.DecentralizedAverager(
+            tensors, dht=self.dht, prefix=f"locomm_{run_id}_diloco", start=True,
+            target_group_size=group_size, min_group_size=2, min_matchmaking_time=2.0,
+            request_timeout=min(3.0, timeout), allreduce_timeout=timeout)
+
+    def maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def _step(self, payload: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int] | None:
+        with self.averager.get_tensors() as tensors:
+            for t, n in zip(tensors, self.names):
+                t.copy_(payload[n])
+        try:
+            result = self.averager.step(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 - a failed all-reduce is data, not a crash
+            log.warning("DecentralizedAverager step failed: %s", e)
+            return None
+        if not result:
+            return None
+        with self.averager.get_tensors() as tensors:
+            return {n: t.clone() for n, t in zip(self.names, tensors)}, len(result)
+
+    async def exchange(self, payload: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int] | None:
+        """The group's mean payload and the group's size; None when no group formed in time."""
+        return await asyncio.to_thread(self._step, payload)
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+        self.dht.shutdown()

@@ -268,3 +268,39 @@ def test_malformed_messages_get_error_codes(tmp_path):
     fin = peer.events("finished")[0]
     assert fin["rounds_completed"] == 40 and fin["final_loss"] < fin["initial_loss"]
     assert fin["errors_answered"]["BANNED"] >= 1
+
+
+@pytest.mark.parametrize("algo", ["gasloc", "sparseloco", "diloco"])
+def test_local_swarm_command(tmp_path, algo):
+    """`locomm-peer swarm` runs every daemon algorithm end to end and cleans up after itself."""
+    before = set(Path(tempfile_dir()).glob("locomm-swarm-*"))
+    daemons_before = p2pd_pids()
+    out = subprocess.run([sys.executable, "-m", "locomm.cli.main", "swarm", "--peers", "2", "--rounds", "4",
+                          "--inner-steps", "10", "--algo", algo, "--json", "--plot", str(tmp_path / "loss.png")],
+                         capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = json.loads(out.stdout.strip().splitlines()[-1])
+    assert s["peers"] == 2 and s["rounds_completed"] == 4 and s["failed_peers"] == []
+    assert s["final_loss"] < s["initial_loss"] - 1.0
+    assert s["bytes_sent"] > 0 or algo == "diloco"  # DiLoCo's bytes go through hivemind's averager
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert set(Path(tempfile_dir()).glob("locomm-swarm-*")) == before  # no temp folders left
+    assert p2pd_pids() <= daemons_before  # no orphaned p2pd
+
+
+def p2pd_pids() -> set[int]:
+    pids = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if b"p2pd" in (d / "cmdline").read_bytes().split(b"\0")[0]:
+                    pids.add(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+def tempfile_dir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()

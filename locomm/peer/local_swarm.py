@@ -62,7 +62,7 @@ def peer_rows(folder: Path, n: int) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], rounds: int) -> Table:
     t = Table(title=f"locomm swarm: {len(rows)} peers, {rounds} rounds")
-    for col in ("peer", "id", "state", "round", "loss", "val loss", "tok/s", "MB sent", "answered"):
+    for col in ("peer", "id", "state", "round", "loss", "val", "tok/s", "MB sent", "got"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["peer"]), r["id"], r["state"], f"{r['round']}/{rounds}", _f(r["loss"]), _f(r["val_loss"]),
@@ -182,6 +182,7 @@ def run_swarm(spec: RunSpec, *, peers: int, rounds: int, quiet: bool, plot: Path
         if keep is not None:
             shutil.copytree(folder, keep, dirs_exist_ok=True)
         if not quiet:
+            console.print()
             console.print(f"swarm: {summary['rounds_completed']}/{rounds} rounds, loss {summary['initial_loss']:.3f} -> "
                           f"{summary['final_loss']:.3f}, {summary['bytes_sent'] / 1e6:.1f} MB sent, "
                           f"max weight distance {summary['max_weight_distance']:.4f}"

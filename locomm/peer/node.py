@@ -305,6 +305,8 @@ class Node:
             self.tokens_per_s = len(losses) * self.trainer.tokens_per_step / (time.perf_counter() - t0)
             await self._finish(pending)
             pending = None
+            if self.stop.is_set():  # stopping: no new exchange; the last partial round stays local
+                break
             members = members_for_round(await read_heartbeats(self.dht, self.run_id), self.round, self.me,
                                         self.gossip.banned)
             plan, sent = await self.compute(self._plan, self.round, members)
@@ -440,9 +442,10 @@ class Node:
         names = sorted(self._expected_payload())
         shapes = {n: torch.Size(self._expected_payload()[n].shape) for n in names}
         group = self.opts.wait_for_peers if self.opts.wait_for_peers > 1 else None
-        self.averager = await asyncio.to_thread(
-            AveragerExchange, names, shapes, run_id=self.run_id, initial_peers=bootstrap,
-            timeout=self.spec.network.request_timeout_s, group_size=group)
+        # Built on the loop's thread: DecentralizedAverager installs signal handlers, which only the
+        # main thread may do. It blocks the loop for a moment at start-up, before any training.
+        self.averager = AveragerExchange(names, shapes, run_id=self.run_id, initial_peers=bootstrap,
+                                         timeout=self.spec.network.request_timeout_s, group_size=group)
 
     async def _shutdown(self) -> None:
         if self.averager is not None:

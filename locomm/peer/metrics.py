@@ -18,27 +18,21 @@ class Metrics:
         if port is None:
             self._g = None
             return
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server  # noqa: PLC0415
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server  # noqa: PLC0415
 
         reg = CollectorRegistry()
-        labels = {"peer": peer[-12:]}
-        self._g = {
-            "round": Gauge("locomm_round", "Outer round", registry=reg, labelnames=["peer"]).labels(**labels),
-            "step": Gauge("locomm_step", "Inner step", registry=reg, labelnames=["peer"]).labels(**labels),
-            "loss": Gauge("locomm_train_loss", "Training loss (nats/byte)", registry=reg,
-                          labelnames=["peer"]).labels(**labels),
-            "tokens_per_s": Gauge("locomm_tokens_per_second", "Training throughput", registry=reg,
-                                  labelnames=["peer"]).labels(**labels),
-            "members": Gauge("locomm_members", "Members of the current round", registry=reg,
-                             labelnames=["peer"]).labels(**labels),
-            "bytes_sent": Gauge("locomm_bytes_sent", "Payload bytes sent", registry=reg,
-                                labelnames=["peer"]).labels(**labels),
-            "bytes_received": Gauge("locomm_bytes_received", "Payload bytes received", registry=reg,
-                                    labelnames=["peer"]).labels(**labels),
-            "wait_s": Gauge("locomm_compute_wait_seconds", "Time compute waited on the network", registry=reg,
-                            labelnames=["peer"]).labels(**labels),
+        gauges = {
+            "round": ("locomm_round", "Outer round"),
+            "step": ("locomm_step", "Inner step"),
+            "loss": ("locomm_train_loss", "Training loss (nats/byte)"),
+            "tokens_per_s": ("locomm_tokens_per_second", "Training throughput"),
+            "members": ("locomm_members", "Members of the current round"),
+            "bytes_sent": ("locomm_bytes_sent", "Payload bytes sent"),
+            "bytes_received": ("locomm_bytes_received", "Payload bytes received"),
+            "wait_s": ("locomm_compute_wait_seconds", "Time compute waited on the network"),
         }
-        self._faults = Counter("locomm_faults", "Faults recorded against peers", registry=reg)
+        self._g = {key: Gauge(name, doc, registry=reg, labelnames=["peer"]).labels(peer=peer[-12:])
+                   for key, (name, doc) in gauges.items()}
         self._server, _ = start_http_server(port, addr="127.0.0.1", registry=reg)
         self.port = self._server.server_port
 

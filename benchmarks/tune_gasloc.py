@@ -1,0 +1,42 @@
+"""Tune GASLoC's eta (outer lr), a (gossip step) and gamma (momentum) on a small simulated run.
+
+ALGORITHMS.md §3 leaves GASLoC's coefficients open ("tune on a small run and record
+the chosen defaults with their evidence"). This sweeps them on 4 workers, nano,
+H=20, 10 rounds, data/init seed 1 (a different seed and size from
+benchmarks/algorithms.py, so the benchmark is not the tuning set), beside DiLoCo
+at its documented defaults, and prints the final validation losses.
+
+    python benchmarks/tune_gasloc.py        # about 6 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from locomm.config import RunSpec
+from locomm.data import load_corpus
+from locomm.sim import Simulator
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    spec = (RunSpec.preset("nano").replace("data", batch_size=8, seq_len=128)
+            .replace("outer", inner_steps=20).replace("train", steps=200, seed=1, eval_batches=8))
+    splits = load_corpus(spec.data)
+    rows = []
+    runs = [("diloco", {})] + [("gasloc", dict(lr=eta, gasloc_mix=a, gasloc_gamma=g))
+                               for eta, a, g in itertools.product((0.7, 1.0), (0.5,), (0.0, 0.5, 0.9))]
+    for algo, kw in runs:
+        sim = Simulator(spec.replace("outer", algo=algo, **kw), 4, splits=splits)
+        res = sim.run(10)
+        rows.append({"algo": algo, **kw, "final_val_loss": res.final_val_loss})
+        print(f"{algo:7s} {json.dumps(kw):55s} val {res.final_val_loss:.4f}", flush=True)
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "tune_gasloc.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

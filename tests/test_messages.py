@@ -1,0 +1,85 @@
+"""The wire schema and membership rules, without a network."""
+
+import urllib.request
+
+import msgpack
+import pytest
+
+from locomm import PROTOCOL_VERSION
+from locomm.peer.metrics import Metrics
+from locomm.peer.swarm import Heartbeat, members_for_round
+from locomm.protocol.messages import (ErrorCode, ProtocolViolation, TensorSpec, decode_header, pack_frame,
+                                      read_header_length, validate_header)
+
+EXPECTED = {"phi/w": TensorSpec((4, 4)), "delta/w": TensorSpec((4, 4))}
+
+
+def header(**over):
+    h = {"v": PROTOCOL_VERSION, "run": "r1", "type": "push", "round": 3, "sender": "me",
+         "tensors": [{"name": "phi/w", "codec": "none", "nbytes": 64, "shape": [4, 4]},
+                     {"name": "delta/w", "codec": "none", "nbytes": 64, "shape": [4, 4]}]}
+    h.update(over)
+    return h
+
+
+def check(h, max_body=1 << 20):
+    return validate_header(h, run_id="r1", expected=EXPECTED, max_body_bytes=max_body, types=("push",))
+
+
+def test_valid_header_round_trips_through_a_frame():
+    frame = pack_frame(header())
+    n = read_header_length(frame[:4])
+    msg = check(decode_header(frame[4:4 + n]))
+    assert msg.round == 3 and msg.sender == "me" and msg.body_bytes == 128
+
+
+@pytest.mark.parametrize("over, code", [
+    ({"v": 2}, ErrorCode.BAD_VERSION),
+    ({"run": "other"}, ErrorCode.WRONG_RUN),
+    ({"type": "nope"}, ErrorCode.MALFORMED),
+    ({"round": -1}, ErrorCode.MALFORMED),
+    ({"round": True}, ErrorCode.MALFORMED),
+    ({"sender": 5}, ErrorCode.MALFORMED),
+    ({"tensors": "x"}, ErrorCode.MALFORMED),
+    ({"tensors": [7]}, ErrorCode.MALFORMED),
+    ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": 10**12}]}, ErrorCode.TOO_LARGE),
+    ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": -1}]}, ErrorCode.TOO_LARGE),
+    ({"tensors": [{"name": "x", "codec": "none", "nbytes": 1}]}, ErrorCode.UNEXPECTED_TENSOR),
+    ({"tensors": [{"name": "phi/w", "codec": "zip", "nbytes": 1}]}, ErrorCode.MALFORMED),
+    ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": 1, "shape": [2]}]}, ErrorCode.BAD_SHAPE),
+    ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": 1}] * 2}, ErrorCode.UNEXPECTED_TENSOR),
+])
+def test_violations_carry_their_code(over, code):
+    with pytest.raises(ProtocolViolation) as e:
+        check(header(**over))
+    assert e.value.code == code
+
+
+def test_body_limit_and_frame_limits():
+    with pytest.raises(ProtocolViolation) as e:
+        check(header(), max_body=100)
+    assert e.value.code == ErrorCode.TOO_LARGE
+    with pytest.raises(ProtocolViolation):
+        read_header_length((1 << 30).to_bytes(4, "big"))
+    with pytest.raises(ProtocolViolation):
+        read_header_length(b"\x00\x00\x00\x00")
+    for junk in (b"\xc1\xc1", msgpack.packb([1, 2]), b""):
+        with pytest.raises(ProtocolViolation):
+            decode_header(junk)
+
+
+def test_members_for_round():
+    beats = [Heartbeat("b", 5, 0, {}, 0.0), Heartbeat("c", 5, 7, {}, 0.0), Heartbeat("d", 5, 0, {}, 0.0)]
+    assert members_for_round(beats, 5, "a", banned={"d"}) == ["a", "b"]
+    assert members_for_round(beats, 7, "a", banned=set()) == ["a", "b", "c", "d"]
+
+
+def test_metrics_are_served():
+    m = Metrics(0, "12D3KooWpeer")
+    try:
+        m.set(round=4, loss=1.5)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=10).read().decode()
+        assert 'locomm_round{peer="12D3KooWpeer"} 4.0' in text
+        assert "locomm_train_loss" in text
+    finally:
+        m.close()

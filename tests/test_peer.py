@@ -200,13 +200,20 @@ def test_malformed_messages_get_error_codes(tmp_path):
 
     cfg = swarm_spec(tmp_path, max_faults=9, inner_steps=10)
     spec = RunSpec.load(cfg)
-    peer = Peer(tmp_path, "target", cfg, "--until-round", "40")
+    peer = Peer(tmp_path, "target", cfg, "--until-round", "100000", "--checkpoint-dir", str(tmp_path / "ck"))
     try:
         boot = peer.address()
         wait_until(lambda: peer.events("started"), 60, "peer starts", [peer])
         started = peer.events("started")[0]
         run, target = started["run"], started["peer"]
         handler = f"locomm.{run}.push"
+        wait_until(lambda: peer.round() >= 1, 60, "a round", [peer])
+        status = subprocess.run([sys.executable, "-m", "locomm.cli.main", "status", "--initial-peers", boot, "--json"],
+                                capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stderr[-2000:]
+        view = json.loads(status.stdout.strip().splitlines()[-1])
+        assert view["run"] == run and [p["peer"] for p in view["peers"]] == [target]
+        assert view["peers"][0]["round"] >= 1 and view["peers"][0]["loss"] is not None
         from locomm.model import build_model
 
         names = [n for n, _ in build_model(spec.model).named_parameters()]
@@ -262,11 +269,14 @@ def test_malformed_messages_get_error_codes(tmp_path):
             # max_faults_before_ban = 9: the sender is now banned before anything it sends is read.
             "after_nine_faults": ErrorCode.BANNED,
         }
-        assert peer.wait(timeout=180) == 0, peer.errfile.read_text()[-3000:]
+        wait_until(lambda: peer.round() >= started["round"] + 5, 120, "training goes on", [peer])
+        peer.proc.send_signal(signal.SIGINT)  # a clean stop: finish the step, checkpoint, shut down
+        assert peer.wait(timeout=120) == 0, peer.errfile.read_text()[-3000:]
     finally:
         peer.kill_group()
     fin = peer.events("finished")[0]
-    assert fin["rounds_completed"] == 40 and fin["final_loss"] < fin["initial_loss"]
+    assert fin["interrupted"] and fin["final_loss"] < fin["initial_loss"]
+    assert (tmp_path / "ck" / "checkpoint.safetensors").exists()
     assert fin["errors_answered"]["BANNED"] >= 1
 
 
@@ -304,3 +314,26 @@ def tempfile_dir() -> str:
     import tempfile
 
     return tempfile.gettempdir()
+
+
+def test_swarm_ctrl_c_stops_everything(tmp_path):
+    before_dirs = set(Path(tempfile_dir()).glob("locomm-swarm-*"))
+    daemons_before = p2pd_pids()
+    proc = subprocess.Popen([sys.executable, "-m", "locomm.cli.main", "swarm", "--peers", "2", "--rounds", "500",
+                             "--inner-steps", "10", "--json", "--plot", str(tmp_path / "loss.png")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len(p2pd_pids() - daemons_before) < 2:  # both peers are up
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        time.sleep(5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["interrupted"] and summary["rounds_completed"] < 500
+    assert set(Path(tempfile_dir()).glob("locomm-swarm-*")) == before_dirs
+    assert p2pd_pids() <= daemons_before

@@ -198,8 +198,10 @@ class OuterConfig:
     """n: workers per NoLoCo group."""
     gasloc_mix: float = 0.5
     """GASLoC gossip step a (1/2 = exact pair average)."""
-    gasloc_gamma: float = 0.9
-    """GASLoC momentum gamma on the mixed points."""
+    gasloc_gamma: float = 0.0
+    """GASLoC momentum gamma on the mixed points. 0 (plain gossip with local steps) was best in
+    benchmarks/tune_gasloc.py (4 workers, nano, H=20, 10 rounds): val 2.416 at gamma 0, 2.459 at 0.5,
+    2.660 at 0.9 (eta 0.7, a 0.5); raise it for long runs, where acceleration is meant to pay off."""
     gasloc_momentum_on: str = "mixed"
     """Where GASLoC's momentum acts: 'mixed' (z, reproduces DiLoCo on a complete graph) or 'unmixed' (y)."""
     topology: str = "matching"

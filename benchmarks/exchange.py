@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import statistics
 import subprocess
 import sys
@@ -41,115 +40,73 @@ def payload(seed: int):
 
 
 # ------------------------------------------------------------------------------ locomm gossip
-# Each worker gets its own inbox queue: first the other side's address/id, then one "go" per round
-# from the parent once both are ready (a barrier, so both sides start each exchange together).
+# Both sides live in this process: their p2pd daemons are separate processes either way, and the
+# Python side (framing, encode/decode) of both peers shares this one event loop, which if anything
+# handicaps locomm against the averager, whose workers are processes of their own.
 
-def gossip_worker(rank: int, inbox: mp.Queue, outbox: mp.Queue, res: mp.Queue, codec: str, rounds: int) -> None:
-    import torch  # noqa: F401
-
+def bench_gossip(codec: str, rounds: int) -> dict:
     from hivemind.p2p import P2P
 
     from locomm.peer.gossip import Gossip
     from locomm.protocol.messages import TensorSpec
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        get = lambda: loop.run_in_executor(None, inbox.get)  # noqa: E731 - keep the loop serving pushes
-        if rank == 0:
-            p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            outbox.put(str((await p2p.get_visible_maddrs())[0]))
-        else:
-            p2p = await P2P.create(initial_peers=[await get()], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        me = p2p.peer_id.to_base58()
-        outbox.put(me)
-        other = await get()
-        data = payload(rank)
-        g = Gossip(p2p, run_id="bench", me=me, expected={k: TensorSpec((TENSOR_NUMEL,)) for k in data}, codec=codec,
-                   timeout=120, max_body_bytes=1 << 31, max_faults=100)
-        await g.start()
+    async def main() -> tuple[list[float], int]:
+        a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        b = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        ids = [a.peer_id.to_base58(), b.peer_id.to_base58()]
+        data = [payload(0), payload(1)]
+        expected = {k: TensorSpec((TENSOR_NUMEL,)) for k in data[0]}
+        nodes = [Gossip(p, run_id="bench", me=me, expected=expected, codec=codec, timeout=120,
+                        max_body_bytes=1 << 31, max_faults=100) for p, me in zip((a, b), ids)]
+        for g in nodes:
+            await g.start()
         times = []
         for r in range(rounds):
-            g.advance(r)
-            res.put(("ready", rank))
-            await get()
+            for g in nodes:
+                g.advance(r)
             t0 = time.perf_counter()
-            got = await g.exchange(r, [other], data)
+            got = await asyncio.wait_for(asyncio.gather(nodes[0].exchange(r, [ids[1]], data[0]),
+                                                        nodes[1].exchange(r, [ids[0]], data[1])), 300)
             times.append(time.perf_counter() - t0)
-            assert len(got) == 1, "the exchange failed"
-        res.put(("times", rank, times, g.stats.bytes_sent))
-        await asyncio.sleep(1.0)  # let the other side's last push finish before p2pd goes away
-        await p2p.shutdown()
+            assert all(len(x) == 1 for x in got), "the exchange failed"
+        sent = nodes[0].stats.bytes_sent
+        await a.shutdown()
+        await b.shutdown()
+        return times, sent
 
-    asyncio.run(main())
-
-
-def run_pair(target, extra: tuple, rounds: int) -> tuple[dict[int, list[float]], list]:
-    """Start two workers, release them together for each round, collect their times."""
-    ctx = mp.get_context("spawn")
-    inbox = [ctx.Queue(), ctx.Queue()]
-    res = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, inbox[r], inbox[1 - r], res, *extra, rounds)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    times: dict[int, list[float]] = {}
-    other: list = []
-    try:
-        for _ in range(rounds):
-            for _ in range(2):
-                kind, *_rest = res.get(timeout=600)
-            inbox[0].put("go")
-            inbox[1].put("go")
-        while len(times) < 2:
-            kind, rank, t, *more = res.get(timeout=600)
-            times[rank] = t
-            other = more
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return times, other
-
-
-def summarize(method: str, times: dict[int, list[float]]) -> dict:
-    per_round = [max(a, b) for a, b in zip(times[0], times[1])]
-    warm = per_round[1:] or per_round  # the first round pays connection set-up
-    return {"method": method, "median_s": statistics.median(warm), "all_s": per_round}
-
-
-def bench_gossip(codec: str, rounds: int) -> dict:
-    times, more = run_pair(gossip_worker, (codec,), rounds)
-    return summarize(f"locomm gossip ({codec})", times) | {"bytes_sent_per_round": more[0] / rounds}
+    times, sent = asyncio.run(main())
+    warm = times[1:] or times  # the first round pays connection set-up
+    return {"method": f"locomm gossip ({codec})", "median_s": statistics.median(warm), "all_s": times,
+            "bytes_sent_per_round": sent / rounds}
 
 
 # ------------------------------------------------------------------- hivemind DecentralizedAverager
 
-def averager_worker(rank: int, inbox: mp.Queue, outbox: mp.Queue, res: mp.Queue, rounds: int) -> None:
+def bench_averager(rounds: int) -> dict:
+    import concurrent.futures
+
     import hivemind
 
-    if rank == 0:
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        outbox.put([str(m) for m in dht.get_visible_maddrs()])
-    else:
-        dht = hivemind.DHT(start=True, initial_peers=inbox.get(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    avg = hivemind.averaging.DecentralizedAverager(list(payload(rank).values()), dht=dht, prefix="bench",
-                                                   target_group_size=2, min_group_size=2, start=True)
+    d1 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    d2 = hivemind.DHT(start=True, initial_peers=[str(m) for m in d1.get_visible_maddrs()],
+                      host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    avgs = [hivemind.averaging.DecentralizedAverager(list(payload(i).values()), dht=d, prefix="bench",
+                                                     target_group_size=2, min_group_size=2, start=True)
+            for i, d in enumerate((d1, d2))]
     times = []
-    for _ in range(rounds):
-        res.put(("ready", rank))
-        inbox.get()
-        t0 = time.perf_counter()
-        out = avg.step(timeout=120)
-        times.append(time.perf_counter() - t0 if out is not None else float("inf"))
-    res.put(("times", rank, times))
-    time.sleep(1.0)
-    avg.shutdown()
-    dht.shutdown()
-
-
-def bench_averager(rounds: int) -> dict:
-    times, _ = run_pair(averager_worker, (), rounds)
-    return summarize("hivemind DecentralizedAverager", times)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                outs = list(pool.map(lambda av: av.step(timeout=120), avgs))
+                times.append(time.perf_counter() - t0 if all(outs) else float("inf"))
+    finally:
+        for av in avgs:
+            av.shutdown()
+        d2.shutdown()
+        d1.shutdown()
+    warm = times[1:] or times
+    return {"method": "hivemind DecentralizedAverager", "median_s": statistics.median(warm), "all_s": times}
 
 
 # -------------------------------------------------------------------- start-up and overlap

@@ -329,7 +329,7 @@ def test_swarm_ctrl_c_stops_everything(tmp_path):
             time.sleep(0.5)
         time.sleep(5)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()

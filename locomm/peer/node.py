@@ -278,6 +278,13 @@ class Node:
             return 0
         r, plan, sent, task = pending
         t0 = time.perf_counter()
+        if self.stop.is_set():  # shutting down: give the exchange a few seconds, not a full timeout
+            done, _ = await asyncio.wait({task}, timeout=5.0)
+            if not done:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return 0
         inputs, answered = await task
         self.wait_s += time.perf_counter() - t0
         await self.compute(self._apply, r, sent, inputs)

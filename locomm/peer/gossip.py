@@ -17,6 +17,7 @@ checked for shape and finite values.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -109,6 +110,9 @@ class Gossip:
 
     async def _receive(self, remote: str, reader: asyncio.StreamReader) -> tuple[ErrorCode, str]:
         if remote in self.banned:
+            # Read (and drop) the bounded header so the answer is not lost to a reset; never the body.
+            with contextlib.suppress(ProtocolViolation):
+                await read_header(reader, min(self.timeout, 5.0))
             return ErrorCode.BANNED, "banned"
         try:
             header = await read_header(reader, self.timeout)

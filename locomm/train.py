@@ -77,6 +77,11 @@ class Trainer:
             loss = self.model(x, y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        self.apply_gradients()
+        return loss.item()
+
+    def apply_gradients(self) -> None:
+        """Clip, set the scheduled LR and step the inner optimizer on the gradients in ``.grad``."""
         if self.spec.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.inner.grad_clip, foreach=True)
         lr = self.lr_at(self.step)
@@ -84,7 +89,6 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         self.step += 1
-        return loss.item()
 
     @torch.no_grad()
     def evaluate(self) -> float:

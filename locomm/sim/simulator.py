@@ -191,13 +191,7 @@ class Simulator:
             grads = {k: p.grad for k, p in params.items()}
             # Every replica computes the same mean; the shared one does it once (own payload uncoded).
             self.ddp[0].apply(grads, {0: payloads[0], **{w: wire[w] for w in self.members[1:]}})
-            if self.spec.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), self.spec.inner.grad_clip, foreach=True)
-            lr = t.lr_at(t.step)
-            for group in t.optimizer.param_groups:
-                group["lr"] = lr
-            t.optimizer.step()
-            t.step += 1
+            t.apply_gradients()  # the averaged gradients, exactly as a single node steps
             for w in self.members:
                 res.bytes_sent[w] += 2 * (n - 1) / n * nbytes
                 res.bytes_received[w] += 2 * (n - 1) / n * nbytes

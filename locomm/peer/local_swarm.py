@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -132,30 +133,41 @@ def run_swarm(spec: RunSpec, *, peers: int, rounds: int, quiet: bool, plot: Path
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
 
+    # Ctrl-C (or SIGTERM) only sets a flag that every wait below checks: a KeyboardInterrupt raised at an
+    # arbitrary point could leave a peer started but not yet in ``procs`` (never stopped), or interrupt
+    # rich's Live while it holds its lock (its refresh thread then never ends and the launcher hangs).
+    stop_requested = threading.Event()
+    old_handlers = {sig: signal.signal(sig, lambda *_: stop_requested.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         procs.append(launch(0, None))
         addr_file = folder / "peer0.addr"
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not addr_file.exists() or not addr_file.read_text().strip():
+        while (not addr_file.exists() or not addr_file.read_text().strip()) and not stop_requested.is_set():
             if procs[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the first peer did not start:\n" + (folder / "peer0.err").read_text()[-2000:])
-            time.sleep(0.1)
-        bootstrap = addr_file.read_text().split()[0]
-        for i in range(1, peers):
-            procs.append(launch(i, bootstrap))
-        with Live(table(peer_rows(folder, peers), rounds), console=console, refresh_per_second=2,
-                  transient=False) if not quiet else _NoLive() as live:
-            while any(p.poll() is None for p in procs):
+            stop_requested.wait(0.1)
+        if not stop_requested.is_set():
+            bootstrap = addr_file.read_text().split()[0]
+            for i in range(1, peers):
+                if stop_requested.is_set():
+                    break
+                procs.append(launch(i, bootstrap))
+        if not stop_requested.is_set():
+            with Live(table(peer_rows(folder, peers), rounds), console=console, refresh_per_second=2,
+                      transient=False) if not quiet else _NoLive() as live:
+                while any(p.poll() is None for p in procs) and not stop_requested.is_set():
+                    live.update(table(peer_rows(folder, peers), rounds))
+                    stop_requested.wait(0.5)
                 live.update(table(peer_rows(folder, peers), rounds))
-                time.sleep(0.5)
-            live.update(table(peer_rows(folder, peers), rounds))
-    except KeyboardInterrupt:
-        interrupted = True
-        console.print("stopping the swarm (Ctrl-C)...")
+        if stop_requested.is_set():
+            interrupted = True
+            console.print("stopping the swarm (Ctrl-C)...")
     finally:
         _stop(procs, grace_s=20.0)
         for e in errs:
             e.close()
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
     try:
         rows = peer_rows(folder, peers)
         failed = [i for i, p in enumerate(procs) if p.returncode not in (0, None) and not interrupted]

@@ -88,13 +88,14 @@ def train(config: str | None, preset: str | None, steps: int | None, device: str
               help="Effective compute per worker, for the simulated timeline.")
 @click.option("--preset", type=PRESETS, help="Model preset (default nano).")
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="Run spec (TOML).")
-@click.option("--codec", default="none", show_default=True, help="Codec for dense payload tensors (none: raw fp32).")
+@click.option("--codec", default=None, help="Codec stack for every payload tensor, e.g. none (raw fp32), "
+              "bf16+lossless (default: the run spec's compression per tensor role, as the daemon sends).")
 @click.option("--eval-every", type=int, default=1, show_default=True, help="Evaluate every this many rounds.")
 @click.option("--seed", type=int, help="Overrides train.seed (model init and data order).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write loss vs step and vs time (PNG).")
 def simulate(algo: str, workers: int, rounds: int, inner_steps: int | None, link: str, latency_ms: float,
-             heterogeneity: float, tflops: float, preset: str | None, config: str | None, codec: str,
+             heterogeneity: float, tflops: float, preset: str | None, config: str | None, codec: str | None,
              eval_every: int, seed: int | None, as_json: bool, plot: Path | None) -> None:
     """Compare outer algorithms on N virtual workers with a network cost model."""
     try:
@@ -146,15 +147,20 @@ def simulate(algo: str, workers: int, rounds: int, inner_steps: int | None, link
 @click.option("--until-round", type=int, hidden=True)
 @click.option("--wait-for-peers", type=int, default=0, help="Before training, wait up to a minute for N peers.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
+@click.option("-q", "--quiet", is_flag=True, help="No status line, per-round lines or summary (log lines stay).")
 @click.option("-v", "--verbose", count=True)
 def join(initial_peers: tuple[str, ...], config: str | None, preset: str | None, algo: str | None,
          inner_steps: int | None, host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...],
          identity: Path | None, device: str, checkpoint_dir: Path | None, metrics_port: int | None,
          log_file: Path | None, rounds: int | None, shard: str | None, no_overlap: bool,
          announce_file: Path | None, final_weights: Path | None, until_round: int | None, wait_for_peers: int,
-         as_json: bool,
-         verbose: int) -> None:
-    """Join a training swarm (or start one) and train until the run ends or Ctrl-C."""
+         as_json: bool, quiet: bool, verbose: int) -> None:
+    """Join a training swarm (or start one) and train until the run ends or Ctrl-C.
+
+    On a terminal a live line shows the round, loss, speed, traffic and the transfer in progress; without
+    one (a log, a container) one plain line per round. A summary paragraph follows at exit. All of it goes
+    to stderr (stdout keeps the --json line); -q silences it.
+    """
     try:
         spec = load_spec(config, preset or (None if config else "nano"))
         if not config:
@@ -174,7 +180,7 @@ def join(initial_peers: tuple[str, ...], config: str | None, preset: str | None,
                        checkpoint_dir=checkpoint_dir, metrics_port=metrics_port, log_file=log_file, rounds=rounds,
                        shard=shard_t, overlap=not no_overlap, announce_file=announce_file,
                        final_weights=final_weights, until_round=until_round, wait_for_peers=wait_for_peers,
-                       verbose=verbose)
+                       verbose=verbose, quiet=quiet)
     if as_json:
         emit_json(summary)
 

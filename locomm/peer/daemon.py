@@ -1,4 +1,4 @@
-"""Process-level entry for a node: logging, uvloop, the event loop, exit codes."""
+"""Process-level entry for a node: logging, the reporter, uvloop, the event loop, exit codes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from locomm.config import ConfigError, RunSpec
 from locomm.data import CorpusError
+from locomm.peer.display import make_reporter
 from locomm.peer.node import Node, NodeOptions
 
 
@@ -24,22 +25,36 @@ def setup_logging(verbose: int) -> None:
         logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
-def run_node(spec: RunSpec, *, verbose: int = 0, **options: Any) -> dict[str, Any]:
-    """Run one node to completion in a fresh event loop (uvloop when installed)."""
-    setup_logging(verbose)
-    try:
-        node = Node(spec, NodeOptions(**options))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    try:
-        import uvloop  # noqa: PLC0415
+def run_node(spec: RunSpec, *, verbose: int = 0, quiet: bool = False, reporter: Any = None,
+             **options: Any) -> dict[str, Any]:
+    """Run one node to completion in a fresh event loop (uvloop when installed).
 
-        runner: Any = uvloop.run
-    except ImportError:
-        runner = asyncio.run
+    ``reporter`` shows the user what the node does (locomm.peer.display); by default a live line on a
+    terminal, plain lines per round otherwise, nothing with ``quiet``. It goes to stderr: stdout stays free
+    for ``--json``. ``reporter.close()`` runs whatever happens (it restores the terminal).
+    """
+    setup_logging(verbose)  # -q keeps the log lines: it silences the reporter only
+    if reporter is None:
+        reporter = make_reporter(quiet=quiet)
     try:
-        return runner(node.run())
-    except (ConfigError, CorpusError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        try:
+            node = Node(spec, NodeOptions(reporter=reporter, **options))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        try:
+            import uvloop  # noqa: PLC0415
+
+            runner: Any = uvloop.run
+        except ImportError:
+            runner = asyncio.run
+        try:
+            summary = runner(node.run())
+        except (ConfigError, CorpusError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        if getattr(reporter, "finished", True) is False:  # our reporters: the node did not call finish()
+            reporter.finish(summary)
+        return summary
+    finally:
+        reporter.close()

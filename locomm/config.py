@@ -267,7 +267,20 @@ class NetworkConfig:
     """Timeouts and limits shared by every peer of a run."""
 
     request_timeout_s: float = 30.0
-    """Every await on a peer is bounded by this."""
+    """Bound on a small request (a header, a manifest, an answer); transfers are bounded by size instead."""
+    stall_timeout_s: float = 20.0
+    """A transfer with no progress (no byte read or written) for this long is cut off."""
+    min_rate_mbit: float = 10.0
+    """Floor rate of a transfer: its deadline is its declared size at this rate (plus slack), and over any
+    ``rate_window_s`` of waiting it must move at least this much, so a trickling sender is cut off."""
+    rate_window_s: float = 30.0
+    max_wait_s: float = 600.0
+    """The most a worker waits for a partner's payload beyond the ETA the partner publishes."""
+    streams_per_transfer: int = 4
+    """A payload above ``parallel_threshold_mb`` travels over up to this many parallel streams to one partner."""
+    parallel_threshold_mb: float = 16.0
+    max_streams_per_peer: int = 16
+    """Open streams one remote peer may hold at once; more are refused with NOT_READY."""
     heartbeat_interval_s: float = 5.0
     heartbeat_ttl_s: float = 30.0
     max_message_mb: float = 1024.0
@@ -276,7 +289,9 @@ class NetworkConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "request_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s", "max_message_mb",
-                  "max_faults_before_ban")
+                  "max_faults_before_ban", "stall_timeout_s", "min_rate_mbit", "rate_window_s", "max_wait_s",
+                  "streams_per_transfer", "parallel_threshold_mb", "max_streams_per_peer")
+        _check(self.streams_per_transfer <= 16, "streams_per_transfer", f"must be <= 16, got {self.streams_per_transfer}")
         _check(self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s",
                "must exceed heartbeat_interval_s")
 

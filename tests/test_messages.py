@@ -70,8 +70,12 @@ def test_body_limit_and_frame_limits():
 
 def test_members_for_round():
     beats = [Heartbeat("b", 5, 0, {}, 0.0), Heartbeat("c", 5, 7, {}, 0.0), Heartbeat("d", 5, 0, {}, 0.0)]
-    assert members_for_round(beats, 5, "a", banned={"d"}) == ["a", "b"]
-    assert members_for_round(beats, 7, "a", banned=set()) == ["a", "b", "c", "d"]
+    assert members_for_round(beats, 5, "a") == ["a", "b", "d"]
+    assert members_for_round(beats, 7, "a") == ["a", "b", "c", "d"]
+    # A peer whose round counter stopped (it died) drops out for everyone at the same round.
+    beats.append(Heartbeat("e", 4, 0, {}, 0.0))
+    assert members_for_round(beats, 7, "a") == ["a", "b", "c", "d", "e"]
+    assert members_for_round(beats, 8, "a") == ["a", "b", "c", "d"]
 
 
 def test_metrics_are_served():

@@ -32,8 +32,8 @@ def swarm_spec(tmp: Path, max_faults: int = 3, **outer) -> Path:
             .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
             .replace("outer", algo="noloco", inner_steps=outer.pop("inner_steps", 10), **outer)
             .replace("train", steps=400, eval_batches=2, eval_interval=0)
-            .replace("network", request_timeout_s=6.0, heartbeat_interval_s=1.0, heartbeat_ttl_s=4.0,
-                     max_faults_before_ban=max_faults))
+            .replace("network", request_timeout_s=6.0, stall_timeout_s=3.0, heartbeat_interval_s=1.0,
+                     heartbeat_ttl_s=4.0, max_faults_before_ban=max_faults))
     path = tmp / "run.toml"
     spec.save(path)
     return path
@@ -198,7 +198,7 @@ def test_malformed_messages_get_error_codes(tmp_path):
     from locomm import PROTOCOL_VERSION
     from locomm.protocol.messages import ErrorCode
 
-    cfg = swarm_spec(tmp_path, max_faults=9, inner_steps=10)
+    cfg = swarm_spec(tmp_path, max_faults=9, inner_steps=50)  # rounds of a second or so: see push() below
     spec = RunSpec.load(cfg)
     peer = Peer(tmp_path, "target", cfg, "--until-round", "100000", "--checkpoint-dir", str(tmp_path / "ck"))
     try:
@@ -206,7 +206,7 @@ def test_malformed_messages_get_error_codes(tmp_path):
         wait_until(lambda: peer.events("started"), 60, "peer starts", [peer])
         started = peer.events("started")[0]
         run, target = started["run"], started["peer"]
-        handler = f"locomm.{run}.push"
+        handler = f"locomm.{run}.gossip"
         wait_until(lambda: peer.round() >= 1, 60, "a round", [peer])
         status = subprocess.run([sys.executable, "-m", "locomm.cli.main", "status", "--initial-peers", boot, "--json"],
                                 capture_output=True, text=True, timeout=120)
@@ -216,18 +216,24 @@ def test_malformed_messages_get_error_codes(tmp_path):
         assert view["peers"][0]["round"] >= 1 and view["peers"][0]["loss"] is not None
         from locomm.model import build_model
 
-        names = [n for n, _ in build_model(spec.model).named_parameters()]
-        shapes = dict((n, list(p.shape)) for n, p in build_model(spec.model).named_parameters())
+        shapes = {n: tuple(p.shape) for n, p in build_model(spec.model).named_parameters()}
 
         async def probe() -> dict[str, int]:
+            from hivemind.dht import DHTNode
+
+            from locomm.compression.payload import PayloadCodec
+            from locomm.peer.swarm import store_heartbeat
+            from locomm.protocol.messages import push_header
+
             client = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            dht = await DHTNode.create(p2p=client, initial_peers=[boot])
             me = client.peer_id.to_base58()
 
             async def send(raw: bytes) -> int:
                 _, reader, writer = await client.call_binary_stream_handler(PeerID.from_base58(target), handler)
                 writer.write(raw)
                 await writer.drain()
-                n = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), 30), "big")
+                n = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), 60), "big")
                 resp = msgpack.unpackb(await reader.readexactly(n))
                 writer.close()
                 return resp["status"]
@@ -236,37 +242,49 @@ def test_malformed_messages_get_error_codes(tmp_path):
                 h = msgpack.packb(header)
                 return len(h).to_bytes(4, "big") + h + body
 
-            from locomm.compression import get_codec
-
-            codec = get_codec(spec.compression.outer_gradient)
+            codec = PayloadCodec(shapes, {"theta": "parameter"}, spec.compression)  # NoLoCo, gamma == alpha
+            parts = codec.parts()
             base = {"v": PROTOCOL_VERSION, "run": run, "type": "push", "round": 0, "sender": me}
-            nan = {f"{pre}/{n}": codec.encode(torch.full(shapes[n], float("nan")))
-                   for pre in ("delta", "phi") for n in names}
-            entries = [{"name": k, "codec": spec.compression.outer_gradient, "nbytes": len(v),
-                        "shape": shapes[k.split("/", 1)[1]]} for k, v in sorted(nan.items())]
+            nan = {t.name: torch.full(t.shape, float("nan")) for t in codec.tensors}
+            body = b"".join(len(d).to_bytes(4, "big") + d for d in (codec.encode_part(nan, p) for p in parts))
+
+            def push(**over) -> dict:  # for the round the peer is in now (it only buffers rounds next to its own)
+                return {**push_header(run, peer.round(), me, 7, 0, 1, {}, parts), **over}
+
             codes = {
                 "garbage": await send(b"\x00\x00\x00\x08" + b"\xc1" * 8),
                 "huge_header": await send((1 << 30).to_bytes(4, "big")),
                 "bad_version": await send(frame({**base, "v": 999})),
                 "wrong_run": await send(frame({**base, "run": "0" * 16})),
                 "wrong_type": await send(frame({**base, "round": "three"})),
-                "oversized": await send(frame({**base, "tensors": [{**entries[0], "nbytes": 10**12}]})),
-                "bad_shape": await send(frame({**base, "tensors": [{**entries[0], "shape": [3, 3]}] + entries[1:]})),
-                "unknown_tensor": await send(frame({**base, "tensors": [{**entries[0], "name": "evil"}]})),
+                "unauthorized": await send(frame(push(), body)),  # no heartbeat yet: not a member
             }
-            now = {**base, "round": peer.round(), "tensors": entries}  # within the peer's round window
-            codes["nan"] = await send(frame(now, b"".join(nan[e["name"]] for e in entries)))
+            assert await store_heartbeat(dht, run, me, {"round": 0, "join_round": 0}, 60)
+            pull = frame({**base, "type": "pull"})
+            for _ in range(60):  # until the target's view of the DHT holds our heartbeat: then NOT_READY
+                codes["pull"] = await send(pull)
+                if codes["pull"] != ErrorCode.UNAUTHORIZED:
+                    break
+                await asyncio.sleep(0.5)
+            codes["stalled"] = await send(frame(push()))  # the header, then nothing: cut after stall_timeout_s
+            codes["oversized"] = await send(frame(push(), (2**32 - 1).to_bytes(4, "big")))
+            codes["bad_shape"] = await send(frame(push(parts=[[0, 0, 999]])))
+            codes["unknown_tensor"] = await send(frame(push(enc={"evil": 1})))
+            codes["nan"] = await send(frame(push(xfer=8), body))
             codes["after_nine_faults"] = await send(frame(base))
+            await dht.shutdown()
             await client.shutdown()
             return codes
 
         codes = asyncio.run(probe())
         assert codes == {
             "garbage": ErrorCode.MALFORMED, "huge_header": ErrorCode.TOO_LARGE, "bad_version": ErrorCode.BAD_VERSION,
-            "wrong_run": ErrorCode.WRONG_RUN, "wrong_type": ErrorCode.MALFORMED, "oversized": ErrorCode.TOO_LARGE,
-            "bad_shape": ErrorCode.BAD_SHAPE, "unknown_tensor": ErrorCode.UNEXPECTED_TENSOR,
-            "nan": ErrorCode.NOT_FINITE,
-            # max_faults_before_ban = 9: the sender is now banned before anything it sends is read.
+            "wrong_run": ErrorCode.WRONG_RUN, "wrong_type": ErrorCode.MALFORMED,
+            "unauthorized": ErrorCode.UNAUTHORIZED, "stalled": ErrorCode.TIMEOUT,  # neither is a fault
+            "pull": ErrorCode.NOT_READY,  # a member asking for a payload we do not hold for it: not a fault
+            "oversized": ErrorCode.TOO_LARGE, "bad_shape": ErrorCode.BAD_SHAPE,
+            "unknown_tensor": ErrorCode.UNEXPECTED_TENSOR, "nan": ErrorCode.NOT_FINITE,
+            # max_faults_before_ban = 9, and 9 faults so far: banned before anything it sends is read.
             "after_nine_faults": ErrorCode.BANNED,
         }
         wait_until(lambda: peer.round() >= started["round"] + 5, 120, "training goes on", [peer])

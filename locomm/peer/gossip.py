@@ -1,17 +1,30 @@
-"""Outer-update exchanges over hivemind P2P binary streams: push, mailbox, faults and bans.
+"""Outer-update exchanges: streamed, parallel pushes on the RPC base, a mailbox, pulls, faults and bans.
 
-A round's exchange is symmetric push: each worker opens a stream to each of its
-round partners and sends its payload; the partner validates it, stores it in its
-mailbox (even when it has not reached that round yet) and answers with a status
-code. A worker then waits, up to the configured timeout, for its partners' pushes
-to arrive, and the round goes on with whoever answered. No global barrier.
+A round's exchange is symmetric push: each worker sends its payload to each of
+its round partners and waits for theirs; the round goes on with whoever
+answered. No global barrier.
 
-Validation order for an incoming push (nothing is allocated for tensors until
-the header has passed): the stream's authenticated peer id is not banned and
-matches the header's sender; version, run hash, type, round window; every
-tensor's name, shape and codec and its declared size against what that tensor
-can take; then each body is read (exactly the declared bytes), decoded and
-checked for shape and finite values.
+- **Streamed.** A payload is a list of parts (``compression/payload.py``). The
+  sender encodes parts in the codec pool, once for all partners, and part k+1 is
+  encoded while part k is on the wire; the receiver decodes each part in the pool
+  as it arrives, into tensors it allocated once. Extra memory per payload: the
+  encoded parts on the sender (at most the payload's size), the destination
+  tensors plus two parts per stream on the receiver.
+- **Parallel.** A payload above ``parallel_threshold_mb`` travels over up to
+  ``streams_per_transfer`` streams to one partner (p2pd's per-stream ceiling).
+- **Deadlines by bytes** (``rpc.Limits``): a stalled or trickling stream is cut
+  off and answered ``TIMEOUT``; that is slowness, never a fault.
+- **Waiting by ETA.** A worker waits for a partner's payload until the ETA the
+  partner's heartbeat implies (its round time and upload rate), longer while a
+  transfer from it is still moving, and at most ``max_wait_s`` beyond.
+- **Pull.** A peer that cannot be dialled (behind NAT) still pushes out; its
+  partners answer its push with ``pull=True`` when they could not reach it, and
+  it then pulls their payload on a stream it opens itself. A worker also pulls a
+  partner's payload once its ETA has passed with nothing arriving.
+- **Faults** are protocol violations and bad payloads only (``FAULT_CODES``);
+  repeated faults ban. Bans are local: a banned partner is skipped at exchange
+  time, never removed from the round's membership (every peer must compute the
+  same groups).
 """
 
 from __future__ import annotations
@@ -19,26 +32,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import random
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
-from locomm import PROTOCOL_VERSION
-from locomm.protocol.messages import ErrorCode, ProtocolViolation, TensorSpec, check_response, response_header, \
-    validate_header
-from locomm.peer.wire import TensorCoder, read_exact, read_header, write_frame
+from locomm.compression.payload import Part, PayloadCodec, PayloadError
+from locomm.peer.rpc import Call, Link, Limits, Meter, RpcServer, Service, TransferCut, Unreachable, open_link
+from locomm.protocol.messages import (ErrorCode, ProtocolViolation, Transfer, pull_header, push_header,
+                                      transfer_fields, validate_transfer)
 
 log = logging.getLogger(__name__)
 
 ROUND_WINDOW = 4
-"""Pushes for rounds more than this far from ours are refused (STALE_ROUND)."""
+"""Pushes for rounds more than this far from ours are refused (STALE_ROUND, not a fault)."""
+RECEIVE_WINDOW = 1
+"""Payload buffers are allocated only for rounds within this distance of ours."""
 MAX_SENDERS_PER_ROUND = 64
-"""Mailbox bound: payloads from at most this many peers per round are buffered."""
+PULL_RETRY_S = 3.0
+_PAYLOAD_CODES = {"shape": ErrorCode.BAD_SHAPE, "payload": ErrorCode.BAD_PAYLOAD, "finite": ErrorCode.NOT_FINITE}
+_REFUSALS = {ErrorCode.BANNED, ErrorCode.WRONG_RUN, ErrorCode.BAD_VERSION, ErrorCode.STALE_ROUND,
+             ErrorCode.UNAUTHORIZED}
+"""Answers after which the partner will not send us its payload this round."""
 
 
 @dataclass
@@ -46,181 +66,361 @@ class GossipStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     exchanges_ok: int = 0
+    """Partner-rounds whose payload arrived."""
     exchanges_failed: int = 0
-    faults: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    errors_answered: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Partner-rounds whose payload did not arrive in time."""
+    pushes_ok: int = 0
+    pushes_failed: int = 0
+    pulls: int = 0
+    unreachable: int = 0
     last_exchange: float = 0.0
+    up_Bps: float = 0.0
+    """Measured upload rate (bytes/s per partner stream set), an EMA over pushes."""
+
+
+class Faults:
+    """Faults per peer and the local ban list."""
+
+    def __init__(self, max_faults: int) -> None:
+        self.max_faults = max_faults
+        self.count: dict[str, int] = defaultdict(int)
+        self.banned: set[str] = set()
+
+    @property
+    def total(self) -> int:
+        return sum(self.count.values())
+
+    def record(self, peer: str, why: str) -> None:
+        self.count[peer] += 1
+        log.warning("fault from %s (%d): %s", peer[-8:], self.count[peer], why)
+        if self.count[peer] >= self.max_faults and peer not in self.banned:
+            self.banned.add(peer)
+            log.warning("banned %s after %d faults", peer[-8:], self.count[peer])
+
+
+class Outgoing:
+    """One round's payload, encoded part by part in the codec pool once for every partner."""
+
+    def __init__(self, round_idx: int, payload: Mapping[str, Any], codec: PayloadCodec, server: RpcServer,
+                 peers: list[str]) -> None:
+        self.round = round_idx
+        self.peers = set(peers)
+        self.codec = codec
+        self.enc = {t.name: len(payload[t.name]) for t in codec.tensors if t.encoded}
+        self.parts = codec.parts(self.enc)
+        self.xfer = random.getrandbits(31)
+        self.delivered: set[str] = set()
+        loop = asyncio.get_running_loop()
+        self._futures = [loop.run_in_executor(server.pool, codec.encode_part, payload, p) for p in self.parts]
+
+    async def get(self, i: int) -> bytes:
+        return await self._futures[i]
+
+    def close(self) -> None:
+        for f in self._futures:
+            f.cancel()
+
+
+@dataclass
+class Incoming:
+    """A payload being received from one peer for one round (over one or more streams)."""
+
+    xfer: int
+    dest: dict[str, Any]
+    expected: set[Part]
+    claimed: set[Part] = field(default_factory=set)
+    done: set[Part] = field(default_factory=set)
+    last_progress: float = field(default_factory=time.monotonic)
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.expected
 
 
 class Gossip:
-    """One node's side of the exchange protocol."""
+    """One node's side of the exchange protocol, as a service on the RPC base."""
 
-    def __init__(self, p2p: P2P, *, run_id: str, me: str, expected: Mapping[str, TensorSpec], codec: str,
-                 timeout: float, max_body_bytes: int, max_faults: int, raw_bytes_tensors: frozenset[str] = frozenset(),
-                 raw_decoder: Any = None) -> None:
-        self.p2p = p2p
-        self.run_id = run_id
-        self.me = me
-        self.expected = dict(expected)
-        self.coder = TensorCoder(codec)
-        self.timeout = timeout
+    def __init__(self, p2p: P2P, server: RpcServer, *, run_id: str, me: str, codec: PayloadCodec, limits: Limits,
+                 faults: Faults, max_body_bytes: int, streams: int = 4, parallel_threshold: int = 16 << 20,
+                 max_wait_s: float = 600.0) -> None:
+        self.p2p, self.server, self.run_id, self.me, self.codec = p2p, server, run_id, me, codec
+        self.limits = limits
+        self.faults = faults
         self.max_body_bytes = max_body_bytes
-        self.max_faults = max_faults
-        # Tensors that travel as an algorithm codec's bytes (SparseLoCo): checked with raw_decoder, kept as bytes.
-        self.raw_bytes_tensors = raw_bytes_tensors
-        self.raw_decoder = raw_decoder
-        self.handler_name = f"locomm.{run_id}.push"
+        self.streams = streams
+        self.parallel_threshold = parallel_threshold
+        self.max_wait_s = max_wait_s
+        self.handler = server.handler_name("gossip")
         self.mailbox: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
+        self.incoming: dict[tuple[str, int], Incoming] = {}
         self.arrived = asyncio.Condition()
         self.current_round = 0
-        self.banned: set[str] = set()
+        self.outgoing: Outgoing | None = None
+        self.unreachable: dict[int, set[str]] = defaultdict(set)
+        self.pull_hints: dict[int, set[str]] = defaultdict(set)
         self.stats = GossipStats()
 
-    async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(self.handler_name, self._handle)
+    @property
+    def banned(self) -> set[str]:
+        return self.faults.banned
 
-    # -- faults ------------------------------------------------------------------------
+    def service(self) -> Service:
+        return Service("gossip", {"push": self._on_push, "pull": self._on_pull}, policy="member")
 
-    def record_fault(self, peer: str, why: str) -> None:
-        self.stats.faults[peer] += 1
-        log.warning("fault from %s (%d): %s", peer[-8:], self.stats.faults[peer], why)
-        if self.stats.faults[peer] >= self.max_faults and peer not in self.banned:
-            self.banned.add(peer)
-            log.warning("banned %s after %d faults", peer[-8:], self.stats.faults[peer])
+    # -- receiving ---------------------------------------------------------------------
 
-    # -- server side ---------------------------------------------------------------------
+    def _open_incoming(self, remote: str, round_idx: int, t: Transfer) -> Incoming:
+        if abs(round_idx - self.current_round) > ROUND_WINDOW:
+            raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {round_idx}, we are at {self.current_round}")
+        if abs(round_idx - self.current_round) > RECEIVE_WINDOW:
+            raise ProtocolViolation(ErrorCode.NOT_READY, f"round {round_idx} is not open yet (we are at "
+                                    f"{self.current_round})")
+        if remote in self.mailbox.get(round_idx, {}):
+            raise ProtocolViolation(ErrorCode.NOT_READY, "already received this round's payload")
+        senders = {s for (s, r) in self.incoming if r == round_idx} | set(self.mailbox.get(round_idx, {}))
+        if len(senders) >= MAX_SENDERS_PER_ROUND and remote not in senders:
+            raise ProtocolViolation(ErrorCode.NOT_READY, "mailbox full for this round")
+        key = (remote, round_idx)
+        inc = self.incoming.get(key)
+        if inc is not None and inc.xfer != t.xfer:
+            if time.monotonic() - inc.last_progress < self.limits.stall_timeout_s:
+                raise ProtocolViolation(ErrorCode.NOT_READY, "another transfer of this payload is under way")
+            inc = None  # an abandoned transfer: start over
+        if inc is None:
+            inc = Incoming(t.xfer, self.codec.allocate(t.enc), set(self.codec.parts(t.enc)))
+            self.incoming[key] = inc
+        if inc.claimed & set(t.parts):
+            raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "a part was already sent on another stream")
+        inc.claimed |= set(t.parts)
+        return inc
 
-    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        remote = info.peer_id.to_base58()
+    async def _receive(self, remote: str, round_idx: int, t: Transfer, link: Link) -> bool:
+        """Read and decode a transfer's parts; True when the payload is now complete (and delivered)."""
+        key = (remote, round_idx)
+        inc = self._open_incoming(remote, round_idx, t)
+        link.expect(t.max_bytes(self.codec), t.streams)
+        pending: list[tuple[Part, asyncio.Future]] = []
         try:
-            code, msg = await self._receive(remote, reader)
-        except asyncio.CancelledError:
+            for part in t.parts:
+                data = await link.read_part(self.codec.max_part_bytes(part))
+                self.stats.bytes_received += len(data)
+                inc.last_progress = time.monotonic()
+                pending.append((part, asyncio.ensure_future(self.server.decode(self.codec.decode_part, inc.dest,
+                                                                               part, data))))
+                while len(pending) > 2:  # decode overlaps the wire; at most two parts held per stream
+                    p, fut = pending.pop(0)
+                    await fut
+                    inc.done.add(p)
+            for p, fut in pending:
+                await fut
+                inc.done.add(p)
+        except PayloadError as e:
+            for _, fut in pending:
+                fut.cancel()
+            self.incoming.pop(key, None)
+            raise ProtocolViolation(_PAYLOAD_CODES[e.kind], str(e)) from None
+        except BaseException:
+            for _, fut in pending:
+                fut.cancel()
+            if self.incoming.get(key) is inc:
+                inc.claimed -= set(t.parts) - inc.done  # another stream (or a pull) may bring them
+                if not inc.claimed:
+                    del self.incoming[key]  # nothing of it survives: the next transfer starts clean
             raise
-        except Exception as e:  # a bug or a transport error must not take the peer down
-            log.exception("push handler failed")
-            code, msg = ErrorCode.INTERNAL, type(e).__name__
-        if code != ErrorCode.OK:
-            self.stats.errors_answered[code.name] += 1
+        if not inc.complete:
+            return False
+        self.incoming.pop(key, None)
         try:
-            await asyncio.wait_for(write_frame(writer, response_header(code, msg)), self.timeout)
-        except Exception:  # noqa: BLE001 - the sender may be gone; nothing to do
-            pass
-        finally:
-            writer.close()
-
-    async def _receive(self, remote: str, reader: asyncio.StreamReader) -> tuple[ErrorCode, str]:
-        if remote in self.banned:
-            # Read (and drop) the bounded header so the answer is not lost to a reset; never the body.
-            with contextlib.suppress(ProtocolViolation):
-                await read_header(reader, min(self.timeout, 5.0))
-            return ErrorCode.BANNED, "banned"
-        try:
-            header = await read_header(reader, self.timeout)
-            msg = validate_header(header, run_id=self.run_id, expected=self.expected,
-                                  max_body_bytes=self.max_body_bytes, types=("push",))
-            if msg.sender != remote:
-                raise ProtocolViolation(ErrorCode.MALFORMED, "sender does not match the stream's peer id")
-            if abs(msg.round - self.current_round) > ROUND_WINDOW:
-                raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {msg.round}, we are at {self.current_round}")
-            pending = self.mailbox.get(msg.round, {})
-            if len(pending) >= MAX_SENDERS_PER_ROUND and remote not in pending:
-                return ErrorCode.NOT_READY, "mailbox full for this round"
-            if set(t.name for t in msg.tensors) != set(self.expected):
-                raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "payload does not hold every expected tensor")
-            # Read every declared body first (sizes are validated and bounded): a sender whose payload
-            # turns out bad still gets its error code instead of a reset stream.
-            bodies = []
-            for entry in msg.tensors:
-                bodies.append(await read_exact(reader, entry.nbytes, self.timeout))
-                self.stats.bytes_received += entry.nbytes
-            payload: dict[str, Any] = {}
-            for entry, data in zip(msg.tensors, bodies):
-                spec = self.expected[entry.name]
-                if entry.name in self.raw_bytes_tensors:
-                    self._check_raw(entry.name, data, spec)
-                    payload[entry.name] = data
-                else:
-                    payload[entry.name] = self.coder.decode(entry, data, spec)
-        except ProtocolViolation as v:
-            self.record_fault(remote, v.message)
-            return v.code, v.message
+            payload = await self.server.decode(self.codec.finish, inc.dest)
+        except PayloadError as e:
+            raise ProtocolViolation(_PAYLOAD_CODES[e.kind], str(e)) from None
         async with self.arrived:
-            self.mailbox[msg.round][remote] = payload
+            self.mailbox[round_idx][remote] = payload
             self.arrived.notify_all()
-        return ErrorCode.OK, ""
+        return True
 
-    def _check_raw(self, name: str, data: bytes, spec: TensorSpec) -> None:
-        try:
-            t = self.raw_decoder(data)
-        except Exception as e:  # the codec's error type
-            raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, f"{name}: {e}") from None
-        if t.numel() != spec.numel:
-            raise ProtocolViolation(ErrorCode.BAD_SHAPE, f"{name}: {t.numel()} values for {spec.shape}")
-        if not torch.isfinite(t).all():
-            raise ProtocolViolation(ErrorCode.NOT_FINITE, f"{name}: non-finite values")
+    async def _on_push(self, call: Call) -> None:
+        t = validate_transfer(call.msg.fields, self.codec, self.max_body_bytes)
+        await self._receive(call.remote, call.msg.round, t, call.link)
+        await call.answer(ErrorCode.OK, pull=call.remote in self.unreachable.get(call.msg.round, ()))
 
-    # -- client side ---------------------------------------------------------------------
+    async def _on_pull(self, call: Call) -> None:
+        out = self.outgoing
+        if out is None or out.round != call.msg.round or call.remote not in out.peers:
+            raise ProtocolViolation(ErrorCode.NOT_READY, f"no payload of round {call.msg.round} for you")
+        await call.answer(ErrorCode.OK, **transfer_fields(out.xfer ^ 1, 0, 1, out.enc, out.parts))
+        call.link.meter.direction = "send"
+        call.link.expect(sum(self.codec.max_part_bytes(p) for p in out.parts))
+        for i in range(len(out.parts)):
+            data = await out.get(i)
+            await call.link.write_part(data)
+            self.stats.bytes_sent += len(data)
+        out.delivered.add(call.remote)
 
-    def encode_payload(self, round_idx: int, payload: Mapping[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
-        """Header and body parts for a push (encoding once, sent to every partner)."""
-        entries, body = [], []
-        for name in sorted(payload):
-            v = payload[name]
-            data = bytes(v) if isinstance(v, (bytes, bytearray, memoryview)) else self.coder.encode(v)
-            codec = "topk2bit" if name in self.raw_bytes_tensors else self.coder.name
-            entries.append({"name": name, "codec": codec, "nbytes": len(data),
-                            "shape": list(self.expected[name].shape)})
-            body.append(data)
-        header = {"v": PROTOCOL_VERSION, "run": self.run_id, "type": "push", "round": round_idx, "sender": self.me,
-                  "tensors": entries}
-        return header, body
+    # -- sending -----------------------------------------------------------------------
 
-    async def push(self, peer: str, header: Mapping[str, Any], body: list[bytes]) -> ErrorCode:
-        """Send one encoded payload to one peer; returns the answer (or records a fault)."""
-        try:
-            async with asyncio.timeout(self.timeout):
-                _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
-                                                                             self.handler_name)
+    def _stream_count(self, out: Outgoing) -> int:
+        raw = sum(self.codec.max_part_bytes(p) for p in out.parts)
+        return max(1, min(self.streams, len(out.parts), math.ceil(raw / self.parallel_threshold)))
+
+    async def push(self, peer: str, out: Outgoing) -> ErrorCode | str:
+        """Send our payload to one partner; an ErrorCode answer, or "unreachable" / "cut"."""
+        n = self._stream_count(out)
+        lanes: list[list[int]] = [[] for _ in range(n)]
+        load = [0] * n
+        for i, p in enumerate(out.parts):  # balance the streams by size, deterministically
+            j = load.index(min(load))
+            lanes[j].append(i)
+            load[j] += self.codec.max_part_bytes(p)
+        t0 = time.monotonic()
+        sent = [0]
+
+        async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool]:
+            link = await open_link(self.p2p, peer, self.handler, self.limits, "send", n)
+            self.server.meters.append(link.meter)
+            try:
+                parts = [out.parts[i] for i in idx]
+                await link.write_header(push_header(self.run_id, out.round, self.me, out.xfer, k, n, out.enc, parts))
+                link.expect(sum(self.codec.max_part_bytes(p) for p in parts), n)
                 try:
-                    await write_frame(writer, header, body)
-                    code = check_response(await read_header(reader, self.timeout))
-                finally:
-                    writer.close()
-        except asyncio.CancelledError:
-            raise
-        except (Exception, TimeoutError) as e:  # unreachable, reset, timed out: data, not a crash
-            self.record_fault(peer, f"push failed: {type(e).__name__}: {e}")
-            self.stats.exchanges_failed += 1
-            return ErrorCode.INTERNAL
-        if code == ErrorCode.OK:
-            self.stats.bytes_sent += sum(len(b) for b in body)
-            self.stats.exchanges_ok += 1
-            self.stats.last_exchange = time.time()
-        else:
-            self.stats.exchanges_failed += 1
-            log.warning("push to %s answered %s", peer[-8:], code.name)
-        return code
+                    for i in idx:
+                        data = await out.get(i)
+                        await link.write_part(data)
+                        sent[0] += len(data)
+                except (ConnectionError, TransferCut):
+                    # The receiver may have answered early (a refusal) and closed: read its answer if it did.
+                    with contextlib.suppress(Exception):
+                        code, resp = await asyncio.wait_for(link.read_answer(), 2.0)
+                        return code, bool(resp.get("pull"))
+                    raise
+                code, resp = await link.read_answer(extra_s=self.limits.request_timeout_s)
+                return code, bool(resp.get("pull"))
+            finally:
+                with contextlib.suppress(ValueError):
+                    self.server.meters.remove(link.meter)
+                link.writer.close()
 
-    async def exchange(self, round_idx: int, peers: list[str], payload: Mapping[str, Any]) -> dict[str, Any]:
-        """Push to every partner, then wait for theirs; returns {peer: payload} of who answered."""
+        results = await asyncio.gather(*(lane(k, idx) for k, idx in enumerate(lanes) if idx),
+                                       return_exceptions=True)
+        self.stats.bytes_sent += sent[0]
+        outcome: ErrorCode | str = ErrorCode.OK
+        for r in results:
+            if isinstance(r, asyncio.CancelledError):
+                raise r
+            if isinstance(r, Unreachable):
+                outcome = "unreachable"
+            elif isinstance(r, TransferCut):
+                outcome = "cut" if outcome == ErrorCode.OK else outcome
+            elif isinstance(r, BaseException):
+                log.info("push to %s failed: %s: %s", peer[-8:], type(r).__name__, r)
+                outcome = "cut" if outcome == ErrorCode.OK else outcome
+            else:
+                code, pull = r
+                if pull:
+                    self.pull_hints[out.round].add(peer)
+                if code != ErrorCode.OK and outcome == ErrorCode.OK:
+                    outcome = code
+        if outcome == ErrorCode.OK:
+            self.stats.pushes_ok += 1
+            dt = max(1e-3, time.monotonic() - t0)
+            rate = sent[0] / dt
+            self.stats.up_Bps = rate if self.stats.up_Bps == 0 else 0.7 * self.stats.up_Bps + 0.3 * rate
+        else:
+            self.stats.pushes_failed += 1
+            if outcome == "unreachable":
+                self.stats.unreachable += 1
+                self.unreachable[out.round].add(peer)
+            log.info("push to %s for round %d: %s", peer[-8:], out.round,
+                     outcome if isinstance(outcome, str) else outcome.name)
+        return outcome
+
+    async def pull(self, peer: str, round_idx: int) -> bool:
+        """Fetch a partner's payload of ``round_idx`` over a stream we open; True when it arrived."""
+        try:
+            link = await open_link(self.p2p, peer, self.handler, self.limits, "recv")
+        except Unreachable:
+            return False
+        self.server.meters.append(link.meter)
+        try:
+            await link.write_header(pull_header(self.run_id, round_idx, self.me))
+            code, resp = await link.read_answer()
+            if code != ErrorCode.OK:
+                return False
+            t = validate_transfer(resp, self.codec, self.max_body_bytes)
+            self.stats.pulls += 1
+            return await self._receive(peer, round_idx, t, link)
+        except ProtocolViolation as v:
+            if v.code in (ErrorCode.BAD_SHAPE, ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_FINITE, ErrorCode.MALFORMED,
+                          ErrorCode.TOO_LARGE, ErrorCode.UNEXPECTED_TENSOR):
+                self.faults.record(peer, f"pulled payload: {v.message}")
+            return False
+        except (TransferCut, ConnectionError, asyncio.IncompleteReadError) as e:
+            log.info("pull from %s: %s", peer[-8:], e)
+            return False
+        finally:
+            with contextlib.suppress(ValueError):
+                self.server.meters.remove(link.meter)
+            link.writer.close()
+
+    # -- one round ---------------------------------------------------------------------
+
+    async def exchange(self, round_idx: int, peers: list[str], payload: Mapping[str, Any],
+                       eta: Callable[[str], float] | None = None) -> dict[str, Any]:
+        """Push to every partner, then wait for theirs; returns {peer: payload} of who answered.
+
+        ``eta(peer)`` is the monotonic time by which the partner's payload should have arrived.
+        """
         peers = [p for p in peers if p not in self.banned and p != self.me]
         if not peers:
             return {}
-        header, body = self.encode_payload(round_idx, payload)
-        results = await asyncio.gather(*(self.push(p, header, body) for p in peers))
-        # Wait only for partners that accepted our push: one that refused or was unreachable will not send.
-        waiting = {p for p, code in zip(peers, results) if code == ErrorCode.OK}
-        deadline = time.monotonic() + self.timeout
-        async with self.arrived:
-            while not waiting <= set(self.mailbox.get(round_idx, {})):
-                left = deadline - time.monotonic()
-                if left <= 0:
+        if self.outgoing is not None:
+            self.outgoing.close()
+        out = self.outgoing = Outgoing(round_idx, payload, self.codec, self.server, peers)
+        pushes = {p: asyncio.create_task(self.push(p, out)) for p in peers}
+        waiting = set(peers)
+        start = time.monotonic()
+        deadline = {p: min(start + self.max_wait_s, eta(p) if eta else start + self.limits.request_timeout_s)
+                    for p in peers}
+        pulls: dict[str, asyncio.Task] = {}
+        last_pull: dict[str, float] = {}
+        try:
+            while True:
+                have = self.mailbox.get(round_idx, {})
+                for p, task in pushes.items():
+                    if task.done() and not task.cancelled() and task.exception() is None and task.result() in _REFUSALS:
+                        waiting.discard(p)  # it refused us: it will not send either
+                missing = {p for p in waiting if p not in have}
+                if not missing:
                     break
-                try:
-                    await asyncio.wait_for(self.arrived.wait(), left)
-                except TimeoutError:
+                now = time.monotonic()
+                for p in missing:
+                    inc = self.incoming.get((p, round_idx))
+                    moving = inc is not None and now - inc.last_progress < self.limits.stall_timeout_s
+                    overdue = now > deadline[p]
+                    if (p in self.pull_hints.get(round_idx, ()) or (overdue and not moving)) and \
+                            (p not in pulls or pulls[p].done()) and now - last_pull.get(p, -1e9) > PULL_RETRY_S \
+                            and now < start + self.max_wait_s and inc is None:
+                        last_pull[p] = now
+                        pulls[p] = asyncio.create_task(self.pull(p, round_idx))
+                busy = any(not t.done() for t in pulls.values())
+                alive = [p for p in missing if now <= deadline[p] or (p in pulls and not pulls[p].done())
+                         or ((inc := self.incoming.get((p, round_idx))) is not None
+                             and now - inc.last_progress < self.limits.stall_timeout_s)]
+                if not alive and not busy:
                     break
-            got = {p: v for p, v in self.mailbox.get(round_idx, {}).items() if p in set(peers)}
+                async with self.arrived:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.arrived.wait(), 0.5)
+            await asyncio.gather(*pushes.values(), return_exceptions=True)
+        finally:
+            for t in [*pushes.values(), *pulls.values()]:
+                if not t.done():
+                    t.cancel()
+        got = {p: v for p, v in self.mailbox.get(round_idx, {}).items() if p in set(peers)}
+        self.stats.exchanges_ok += len(got)
+        self.stats.exchanges_failed += len(peers) - len(got)
+        if got:
+            self.stats.last_exchange = time.time()
         missing = set(peers) - set(got)
         if missing:
             log.info("round %d: no payload from %s; going on with %d of %d", round_idx,
@@ -228,7 +428,12 @@ class Gossip:
         return got
 
     def advance(self, round_idx: int) -> None:
-        """We are now in ``round_idx``: drop mailbox rounds that can no longer be used."""
+        """We are now in ``round_idx``: drop mailbox rounds and buffers that can no longer be used."""
         self.current_round = round_idx
         for r in [r for r in self.mailbox if r < round_idx - 1]:
             del self.mailbox[r]
+        for key in [k for k in self.incoming if k[1] < round_idx - 1]:
+            del self.incoming[key]
+        for d in (self.unreachable, self.pull_hints):
+            for r in [r for r in d if r < round_idx - 1]:
+                del d[r]

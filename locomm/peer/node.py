@@ -36,13 +36,15 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 
 from locomm import PROTOCOL_VERSION, __version__
+from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.protocol import build_outer
-from locomm.protocol.messages import TensorSpec
-from locomm.peer.gossip import Gossip
+from locomm.peer.gossip import Faults, Gossip
 from locomm.peer.metrics import EventLog, Metrics
+from locomm.peer.rpc import Limits, RpcServer
 from locomm.peer.state import Snapshot, StateServer, fetch_state
-from locomm.peer.swarm import fetch_spec, members_for_round, publish_spec, read_heartbeats, store_heartbeat
+from locomm.peer.swarm import (Heartbeat, fetch_spec, members_for_round, publish_spec, read_heartbeats,
+                               store_heartbeat)
 
 log = logging.getLogger(__name__)
 JOIN_MARGIN_ROUNDS = 2
@@ -83,6 +85,9 @@ class NodeOptions:
     """Write the final outer weights here (safetensors) on a clean finish."""
     spec_from_user: bool = True
     """False when the spec is only a default: a joiner then takes the swarm's without comparing."""
+    reporter: Any = None
+    """Shows the user what the node is doing (locomm.peer.display.JoinReporter): ``update(status)``
+    about twice a second, ``round_done(status)`` after each round, ``finish(summary)`` at exit."""
 
 
 class Node:
@@ -93,6 +98,19 @@ class Node:
         self.spec = spec
         self.opts = opts
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locomm-compute")
+        self.codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="locomm-codec")
+        self.reporter = opts.reporter
+        self.beats: dict[str, Heartbeat] = {}
+        self._beats_read = 0.0
+        self._unknown_read = 0.0
+        self.round_t0 = time.time()
+        self.round_s = 0.0
+        self.phase = "starting"
+        self.end_round: int | None = None
+        self.members = 0
+        self.partners = 0
+        self.t_train = time.perf_counter()
+        self.avg_bytes = 0
         self.stop = asyncio.Event()
         self.events = EventLog(opts.log_file)
         self.p2p: P2P | None = None
@@ -150,9 +168,10 @@ class Node:
                                num_workers=shard[1])
         self.algo = build_outer(self.spec.outer, self.params(), self.me)
 
-    def _expected_payload(self) -> dict[str, TensorSpec]:
-        return {f"{prefix}/{k}": TensorSpec(tuple(p.shape)) for prefix in self.algo.payload_prefixes
-                for k, p in self.params().items()}
+    def _payload_codec(self) -> PayloadCodec:
+        """The one role-aware codec of this run's payloads (the simulator builds the same one)."""
+        return PayloadCodec({k: tuple(p.shape) for k, p in self.params().items()}, self.algo.payload_roles,
+                            self.spec.compression, encoded=self.algo.payload_encoded)
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         return {**{f"model/{k}": v for k, v in self.algo.phi.items()},
@@ -195,8 +214,9 @@ class Node:
         if not resumed and top > 0:
             donors = [b.peer for b in sorted(beats, key=lambda b: -b.round)[:3]]
             max_bytes = int(self.spec.network.max_message_mb * 2**20) * 4
-            got = await fetch_state(self.p2p, run_id=self.run_id, me=self.me, donors=donors,
-                                    timeout=self.spec.network.request_timeout_s, max_bytes=max_bytes)
+            self.phase = "syncing"
+            got = await fetch_state(self.p2p, run_id=self.run_id, me=self.me, donors=donors, limits=self.limits,
+                                    max_bytes=max_bytes, on_fault=self.faults.record)
             if got is None:
                 log.warning("could not download state from %d donors; starting from the initial weights",
                             len(donors))
@@ -229,15 +249,86 @@ class Node:
         record = {"round": self.round, "join_round": self.join_round, "step": self.trainer.step,
                   "started": self.started,
                   "loss": _finite(self.last_loss), "val_loss": _finite(self.val_loss),
-                  "tokens_per_s": self.tokens_per_s, "bytes_sent": self.gossip.stats.bytes_sent,
+                  "tokens_per_s": self.tokens_per_s, "bytes_sent": self._bytes_sent(),
                   "last_exchange": self.gossip.stats.last_exchange, "version": __version__,
                   "maddrs": [str(m) for m in self.maddrs],
-                  "avg_maddrs": self.averager.maddrs() if self.averager is not None else []}
+                  "avg_maddrs": self.averager.maddrs() if self.averager is not None else [],
+                  # What partners need for an ETA of our payload: when this round's compute began, how long
+                  # a round takes us, how fast we upload, to how many partners.
+                  "round_t0": self.round_t0, "round_s": self.round_s, "up_Bps": self.gossip.stats.up_Bps,
+                  "partners": self.partners, "faults": self.faults.total, "banned": len(self.faults.banned)}
         await store_heartbeat(self.dht, self.run_id, self.me, record, self.spec.network.heartbeat_ttl_s)
+
+    async def _read_beats(self) -> list[Heartbeat]:
+        assert self.dht is not None
+        beats = await read_heartbeats(self.dht, self.run_id)
+        self.beats = {b.peer: b for b in beats}
+        self._beats_read = time.monotonic()
+        return beats
+
+    async def _authorize(self, remote: str, policy: str) -> bool:
+        """The services' authorize hook: members for gossip, any announced peer for state sync."""
+        beat = self.beats.get(remote)
+        if beat is None and time.monotonic() - self._unknown_read > 0.5:  # a peer we have not seen yet
+            self._unknown_read = time.monotonic()
+            with contextlib.suppress(Exception):
+                await self._read_beats()
+            beat = self.beats.get(remote)
+        if beat is None:
+            return False
+        return policy == "announced" or beat.join_round < NOT_ADMITTED
+
+    def _eta(self, round_idx: int) -> Any:
+        """Monotonic time by which a partner's payload of ``round_idx`` should be here (from its heartbeat)."""
+        net = self.spec.network
+        wire = max(1, self.codec.raw_bytes())
+
+        def eta(peer: str) -> float:
+            now_wall, now = time.time(), time.monotonic()
+            b = self.beats.get(peer)
+            own = max(self.round_s, 1.0)
+            f = b.fields if b is not None else {}
+            round_s = float(f.get("round_s") or own)
+            t0 = float(f.get("round_t0") or now_wall)
+            up = float(f.get("up_Bps") or 0.0) or net.min_rate_mbit * 1e6 / 8
+            partners = max(1, int(f.get("partners") or 1))
+            ready = now_wall if b is not None and b.round > round_idx else t0 + (round_idx - (b.round if b else
+                                                                                       round_idx) + 1) * round_s
+            arrive = max(ready, now_wall) + wire * partners / up
+            # Slack: a stall timeout, and a quarter of a round for jitter in the partner's compute.
+            return now + (arrive - now_wall) + net.stall_timeout_s + 0.25 * round_s
+        return eta
+
+    def _bytes_sent(self) -> int:
+        return self.gossip.stats.bytes_sent + self.avg_bytes
+
+    def _bytes_received(self) -> int:
+        return self.gossip.stats.bytes_received + self.avg_bytes
+
+    def status(self) -> dict[str, Any]:
+        """What the node is doing now, for the live display (locomm.peer.display)."""
+        transfers = [m.view() for m in list(self.rpc.meters)] if getattr(self, "rpc", None) else []
+        return {"peer": getattr(self, "me", "")[-8:], "round": self.round, "end_round": self.end_round,
+                "step": self.trainer.step if hasattr(self, "trainer") else 0, "loss": _finite(self.last_loss),
+                "val_loss": _finite(self.val_loss), "tokens_per_s": self.tokens_per_s, "members": self.members,
+                "partners": self.partners, "answered": self.last_answered,
+                "bytes_sent": self._bytes_sent() if hasattr(self, "gossip") else 0,
+                "bytes_received": self._bytes_received() if hasattr(self, "gossip") else 0,
+                "wait_s": self.wait_s, "wall_s": time.perf_counter() - self.t_train, "phase": self.phase,
+                "transfers": transfers, "faults": self.faults.total if hasattr(self, "faults") else 0,
+                "banned": len(self.faults.banned) if hasattr(self, "faults") else 0}
+
+    async def _report_loop(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                self.reporter.update(self.status())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), 0.5)
 
     async def _heartbeat_loop(self) -> None:
         while not self.stop.is_set():
             try:
+                await self._read_beats()
                 await self._heartbeat()
             except asyncio.CancelledError:
                 raise
@@ -266,10 +357,16 @@ class Node:
         if self.averager is not None:  # DiLoCo: hivemind's all-reduce gives the group mean directly
             out = await self.averager.exchange(plan.payload)
             if out is None:
+                self.gossip.stats.exchanges_failed += 1
                 return {self.me: plan.payload}, 0
             mean, group = out
+            # hivemind keeps no byte counters: a butterfly all-reduce over N peers sends (and receives)
+            # (N-1)/N of the payload twice (scatter-reduce, then all-gather of the averaged parts).
+            nbytes = sum(v.numel() * v.element_size() for v in plan.payload.values())
+            self.avg_bytes += int(2 * nbytes * (group - 1) / max(1, group))
+            self.gossip.stats.exchanges_ok += group - 1
             return {"group-mean": mean}, group - 1
-        got = await self.gossip.exchange(round_idx, plan.peers, plan.payload)
+        got = await self.gossip.exchange(round_idx, plan.peers, plan.payload, eta=self._eta(round_idx))
         return {self.me: plan.payload, **got}, len(got)
 
     async def _finish(self, pending: tuple[int, Any, dict, asyncio.Task] | None) -> int:
@@ -279,14 +376,18 @@ class Node:
         r, plan, sent, task = pending
         t0 = time.perf_counter()
         if self.stop.is_set():  # shutting down: give the exchange a few seconds, not a full timeout
+            self.phase = "stopping"
             done, _ = await asyncio.wait({task}, timeout=5.0)
             if not done:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 return 0
+        if not task.done():
+            self.phase = "exchanging"
         inputs, answered = await task
         self.wait_s += time.perf_counter() - t0
+        self.phase = "training"
         await self.compute(self._apply, r, sent, inputs)
         self.last_answered = answered
         return answered
@@ -297,9 +398,13 @@ class Node:
         eval_rounds = max(1, self.spec.train.eval_interval // H) if self.spec.train.eval_interval else 0
         pending: tuple[int, Any, dict, asyncio.Task] | None = None
         t_start = time.perf_counter()
+        self.end_round = end_round
+        self.phase = "training"
+        self.t_train = time.perf_counter()
         while self.round < end_round and not self.stop.is_set():
             self.gossip.advance(self.round)
             t0 = time.perf_counter()
+            self.round_t0 = time.time()
             losses = []
             for _ in range(H):
                 losses.append(await self.compute(self.trainer.train_step))
@@ -309,14 +414,18 @@ class Node:
                 if self.stop.is_set():
                     break
             self.last_loss = sum(losses) / len(losses)
-            self.tokens_per_s = len(losses) * self.trainer.tokens_per_step / (time.perf_counter() - t0)
+            compute_s = time.perf_counter() - t0
+            self.tokens_per_s = len(losses) * self.trainer.tokens_per_step / compute_s
+            self.round_s = compute_s if self.round_s == 0 else 0.7 * self.round_s + 0.3 * compute_s
             await self._finish(pending)
             pending = None
             if self.stop.is_set():  # stopping: no new exchange; the last partial round stays local
                 break
-            members = members_for_round(await read_heartbeats(self.dht, self.run_id), self.round, self.me,
-                                        self.gossip.banned)
+            # Bans are not applied here: every peer must derive the same groups; a banned or unreachable
+            # partner is skipped at exchange time instead.
+            members = members_for_round(await self._read_beats(), self.round, self.me)
             plan, sent = await self.compute(self._plan, self.round, members)
+            self.members, self.partners = len(members), len(plan.peers)
             task = asyncio.create_task(self._exchange(self.round, plan))
             pending = (self.round, plan, sent, task)
             if not self.opts.overlap:
@@ -328,12 +437,17 @@ class Node:
             wall = time.perf_counter() - t_start
             self.metrics.set(round=self.round, step=self.trainer.step, loss=self.last_loss,
                              tokens_per_s=self.tokens_per_s, members=len(members),
-                             bytes_sent=self.gossip.stats.bytes_sent, bytes_received=self.gossip.stats.bytes_received,
+                             bytes_sent=self._bytes_sent(), bytes_received=self._bytes_received(),
                              wait_s=self.wait_s)
             self.events.write("round", round=self.round, step=self.trainer.step, loss=self.last_loss,
                               val_loss=_finite(self.val_loss), members=len(members), peers=len(plan.peers),
-                              answered=self.last_answered, bytes_sent=self.gossip.stats.bytes_sent,
-                              wait_s=self.wait_s, wall_s=wall, tokens_per_s=self.tokens_per_s)
+                              partners=sorted(plan.peers), member_ids=members,
+                              answered=self.last_answered, bytes_sent=self._bytes_sent(),
+                              bytes_received=self._bytes_received(), wait_s=self.wait_s, wall_s=wall,
+                              compute_s=compute_s, tokens_per_s=self.tokens_per_s, faults=self.faults.total)
+            if self.reporter is not None:
+                with contextlib.suppress(Exception):
+                    self.reporter.round_done(self.status())
             if self.opts.checkpoint_every and self.round % self.opts.checkpoint_every == 0:
                 await self.compute(self._checkpoint)
             hb = asyncio.create_task(self._heartbeat())  # fresh round numbers keep joiners' choices right
@@ -349,6 +463,7 @@ class Node:
                 loop.add_signal_handler(sig, self.stop.set)
         t_launch = time.perf_counter()
         hb_task: asyncio.Task | None = None
+        report_task: asyncio.Task | None = None
         try:
             self.p2p = await P2P.create(initial_peers=list(self.opts.initial_peers) or None,
                                         host_maddrs=list(self.opts.host_maddrs),
@@ -359,6 +474,8 @@ class Node:
             self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=list(self.opts.initial_peers) or None)
             await self._settle_spec()
             self.run_id = self.spec.hash()[:16]
+            self.limits = Limits.from_network(self.spec.network)
+            self.faults = Faults(self.spec.network.max_faults_before_ban)
             # Announce ourselves at once (a joiner as not yet admitted), then build while it propagates.
             self.join_round = NOT_ADMITTED if self.opts.initial_peers else 0
             await store_heartbeat(self.dht, self.run_id, self.me, {"round": 0, "join_round": self.join_round,
@@ -370,18 +487,16 @@ class Node:
             await self.compute(self._build, shard)
             self.metrics = Metrics(self.opts.metrics_port, self.me)
             cfg = self.spec.network
-            sparse = self.algo.payload_prefixes == ("sparse",)
-            self.gossip = Gossip(
-                self.p2p, run_id=self.run_id, me=self.me, expected=self._expected_payload(),
-                codec=self.spec.compression.outer_gradient if _codec_available(self.spec.compression.outer_gradient)
-                else "none",
-                timeout=cfg.request_timeout_s, max_body_bytes=int(cfg.max_message_mb * 2**20),
-                max_faults=cfg.max_faults_before_ban,
-                raw_bytes_tensors=frozenset(self._expected_payload()) if sparse else frozenset(),
-                raw_decoder=(next(iter(self.algo.codecs.values())).decode if sparse else None))
-            self.state_server = StateServer(self.p2p, self.run_id, cfg.request_timeout_s)
-            await self.gossip.start()
-            await self.state_server.start()
+            self.codec = self._payload_codec()
+            self.rpc = RpcServer(self.p2p, self.run_id, self.limits, self.codec_pool, authorize=self._authorize,
+                                 is_banned=lambda peer: peer in self.faults.banned, on_fault=self.faults.record)
+            self.gossip = Gossip(self.p2p, self.rpc, run_id=self.run_id, me=self.me, codec=self.codec,
+                                 limits=self.limits, faults=self.faults,
+                                 max_body_bytes=int(cfg.max_message_mb * 2**20), streams=cfg.streams_per_transfer,
+                                 parallel_threshold=int(cfg.parallel_threshold_mb * 2**20), max_wait_s=cfg.max_wait_s)
+            self.state_server = StateServer(self.run_id)
+            await self.rpc.add(self.gossip.service())
+            await self.rpc.add(self.state_server.service())
             if self.spec.outer.algo == "diloco":
                 await self._start_averager()
             resumed = await self.compute(self._resume)
@@ -390,6 +505,8 @@ class Node:
             self.state_server.snapshot = await self.compute(lambda: Snapshot.take(self.round, self._state_tensors()))
             await self._heartbeat()
             hb_task = asyncio.create_task(self._heartbeat_loop())
+            if self.reporter is not None:
+                report_task = asyncio.create_task(self._report_loop())
             if self.opts.announce_file:
                 self.opts.announce_file.write_text("\n".join(str(m) for m in self.maddrs) + "\n")
             self.events.write("started", peer=self.me, maddrs=[str(m) for m in self.maddrs], round=self.round,
@@ -417,22 +534,32 @@ class Node:
 
                 await self.compute(save_file, {k: v.contiguous() for k, v in self.algo.phi.items()},
                                    str(self.opts.final_weights))
+            g = self.gossip.stats
             self.summary = {"peer": self.me, "rounds_completed": self.round, "initial_loss": initial_val,
-                            "final_loss": final_val, "bytes_sent": self.gossip.stats.bytes_sent,
-                            "bytes_received": self.gossip.stats.bytes_received,
-                            "exchanges_ok": self.gossip.stats.exchanges_ok,
-                            "exchanges_failed": self.gossip.stats.exchanges_failed,
-                            "wait_s": self.wait_s, "first_heartbeat_s": first_heartbeat_s,
-                            "errors_answered": dict(self.gossip.stats.errors_answered),
+                            "final_loss": final_val, "bytes_sent": self._bytes_sent(),
+                            "bytes_received": self._bytes_received(),
+                            "exchanges_ok": g.exchanges_ok, "exchanges_failed": g.exchanges_failed,
+                            "pushes_ok": g.pushes_ok, "pushes_failed": g.pushes_failed, "pulls": g.pulls,
+                            "unreachable": g.unreachable, "transfers_cut": self.rpc.stats.cut,
+                            "faults": self.faults.total, "banned": len(self.faults.banned),
+                            "banned_peers": sorted(self.faults.banned),
+                            "wait_s": self.wait_s, "wall_s": time.perf_counter() - self.t_train,
+                            "steps": self.trainer.step, "members": self.members,
+                            "first_heartbeat_s": first_heartbeat_s,
+                            "errors_answered": dict(self.rpc.stats.errors_answered),
                             "interrupted": self.stop.is_set()}
             self.events.write("finished", **self.summary)
+            if self.reporter is not None:
+                with contextlib.suppress(Exception):
+                    self.reporter.finish(self.summary)
             return self.summary
         finally:
             self.stop.set()
-            if hb_task is not None:
-                hb_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await hb_task
+            for task in (hb_task, report_task):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await self._shutdown()
 
     async def _start_averager(self) -> None:
@@ -446,8 +573,8 @@ class Node:
             if bootstrap or not self.opts.initial_peers:
                 break
             await asyncio.sleep(0.5)
-        names = sorted(self._expected_payload())
-        shapes = {n: torch.Size(self._expected_payload()[n].shape) for n in names}
+        names = [t.name for t in self.codec.tensors]
+        shapes = {t.name: torch.Size(t.shape) for t in self.codec.tensors}
         group = self.opts.wait_for_peers if self.opts.wait_for_peers > 1 else None
         # Built on the loop's thread: DecentralizedAverager installs signal handlers, which only the
         # main thread may do. It blocks the loop for a moment at start-up, before any training.
@@ -467,21 +594,9 @@ class Node:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.p2p.shutdown(), 10)
         self.pool.shutdown(wait=True)
+        self.codec_pool.shutdown(wait=False, cancel_futures=True)
         self.events.close()
 
 
 def _finite(x: float) -> float | None:
     return x if isinstance(x, float) and math.isfinite(x) else None
-
-
-def _codec_available(name: str) -> bool:
-    """The run's outer-gradient codec when this build has it (a single lossless codec), else raw."""
-    if "+" in name or name in ("none", ""):
-        return False
-    try:
-        from locomm.compression import get_codec  # noqa: PLC0415
-
-        get_codec(name)
-        return True
-    except Exception:  # noqa: BLE001 - compression library absent or codec unknown
-        return False

@@ -21,15 +21,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
-from locomm import PROTOCOL_VERSION
-from locomm.protocol.messages import ErrorCode, ProtocolViolation, check_response, response_header, validate_header
-from locomm.peer.wire import read_exact, read_header, write_frame
+from locomm.peer.rpc import Call, Limits, Link, Service, request
+from locomm.protocol.messages import (MAX_NAMES_PER_REQUEST, ErrorCode, ProtocolViolation, state_fetch_header,
+                                      state_manifest_header, validate_manifest, validate_state_fetch)
 
 log = logging.getLogger(__name__)
 FETCH_BATCH_BYTES = 32 << 20
-MAX_NAMES_PER_REQUEST = 4096
+UNAUTHORIZED_RETRIES = 5
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -52,109 +52,78 @@ class Snapshot:
 
 
 class StateServer:
-    """Answers manifest and fetch requests from the latest snapshot."""
+    """Answers manifest and fetch requests from the latest snapshot (a service on the RPC base).
 
-    def __init__(self, p2p: P2P, run_id: str, timeout: float) -> None:
-        self.p2p = p2p
+    Its policy is ``announced``: a joiner downloads state before it is admitted, so any peer with a
+    heartbeat in the swarm may ask; nobody else.
+    """
+
+    def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        self.timeout = timeout
         self.snapshot: Snapshot | None = None
-        self.handler_name = f"locomm.{run_id}.state"
 
-    async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(self.handler_name, self._handle)
+    def service(self) -> Service:
+        return Service("state", {"state_manifest": self._manifest, "state_fetch": self._fetch}, policy="announced")
 
-    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            header = await read_header(reader, self.timeout)
-            msg = validate_header(header, run_id=self.run_id, expected=None, max_body_bytes=0,
-                                  types=("state_manifest", "state_fetch"))
-            snap = self.snapshot
-            if snap is None:
-                raise ProtocolViolation(ErrorCode.NOT_READY, "no state yet")
-            if msg.type == "state_manifest":
-                await write_frame(writer, response_header(ErrorCode.OK, round=snap.round, state_hash=snap.state_hash,
-                                                          manifest=snap.manifest))
-                return
-            names = msg.fields.get("names")
-            if (not isinstance(names, list) or len(names) > MAX_NAMES_PER_REQUEST
-                    or not all(isinstance(n, str) and n in snap.tensors for n in names)):
-                raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "unknown or too many tensor names")
-            if msg.fields.get("state_hash") != snap.state_hash:
-                raise ProtocolViolation(ErrorCode.NOT_READY, "state moved on")
-            body = [snap.tensors[n].numpy().tobytes() for n in names]
-            await write_frame(writer, response_header(ErrorCode.OK, sizes=[len(b) for b in body]), body)
-        except ProtocolViolation as v:
-            await _answer(writer, v.code, v.message)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # never let a request take the donor down
-            log.exception("state handler failed")
-            await _answer(writer, ErrorCode.INTERNAL, type(e).__name__)
-        finally:
-            writer.close()
+    async def _manifest(self, call: Call) -> None:
+        snap = self.snapshot
+        if snap is None:
+            raise ProtocolViolation(ErrorCode.NOT_READY, "no state yet")
+        await call.answer(ErrorCode.OK, round=snap.round, state_hash=snap.state_hash, manifest=snap.manifest)
+
+    async def _fetch(self, call: Call) -> None:
+        snap = self.snapshot
+        if snap is None:
+            raise ProtocolViolation(ErrorCode.NOT_READY, "no state yet")
+        names, state_hash = validate_state_fetch(call.msg, snap.tensors)
+        if state_hash != snap.state_hash:
+            raise ProtocolViolation(ErrorCode.NOT_READY, "state moved on")
+        body = [snap.tensors[n] for n in names]
+        sizes = [t.numel() * 4 for t in body]
+        await call.answer(ErrorCode.OK, sizes=sizes)
+        call.link.meter.direction = "send"
+        call.link.expect(sum(sizes) + 4 * len(sizes))
+        for t in body:
+            await call.link.write_part(memoryview(t.numpy()).cast("B"))
 
 
-async def _answer(writer: asyncio.StreamWriter, code: ErrorCode, msg: str) -> None:
-    try:
-        await write_frame(writer, response_header(code, msg))
-    except Exception:  # noqa: BLE001 - the requester may be gone
-        pass
-
-
-async def _request(p2p: P2P, peer: str, handler: str, header: dict[str, Any], timeout: float,
-                   read_body: bool = False) -> tuple[dict[str, Any], list[bytes]]:
-    async with asyncio.timeout(timeout):
-        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
-        try:
-            await write_frame(writer, header)
-            resp = await read_header(reader, timeout)
-            code = check_response(resp)
-            if code != ErrorCode.OK:
-                raise ProtocolViolation(code, str(resp.get("msg", "")))
-            parts: list[bytes] = []
-            if read_body:
-                sizes = resp.get("sizes")
-                if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s <= 1 << 34 for s in sizes):
-                    raise ProtocolViolation(ErrorCode.MALFORMED, "bad sizes in state response")
-                for s in sizes:
-                    parts.append(await read_exact(reader, s, timeout))
-            return resp, parts
-        finally:
-            writer.close()
-
-
-async def fetch_state(p2p: P2P, *, run_id: str, me: str, donors: list[str], timeout: float,
-                      max_bytes: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+async def fetch_state(p2p: P2P, *, run_id: str, me: str, donors: list[str], limits: Limits, max_bytes: int,
+                      on_fault: Any = None) -> tuple[int, dict[str, torch.Tensor]] | None:
     """Download the newest state most donors agree on; None when no donor could give it."""
     handler = f"locomm.{run_id}.state"
-    base = {"v": PROTOCOL_VERSION, "run": run_id, "round": 0, "sender": me}
     manifests: dict[str, tuple[int, list[dict[str, Any]]]] = {}
     holders: dict[str, list[str]] = defaultdict(list)
 
     async def ask(peer: str) -> None:
-        try:
-            resp, _ = await _request(p2p, peer, handler, {**base, "type": "state_manifest"}, timeout)
-            h, rnd, man = resp.get("state_hash"), resp.get("round"), resp.get("manifest")
-            if isinstance(h, str) and isinstance(rnd, int) and isinstance(man, list):
+        for attempt in range(UNAUTHORIZED_RETRIES + 1):
+            try:
+                resp, _ = await request(p2p, peer, handler, state_manifest_header(run_id, me), limits)
+                rnd, h, man = validate_manifest(resp)
                 manifests[h] = (rnd, man)
                 holders[h].append(peer)
-        except (Exception, TimeoutError) as e:  # noqa: BLE001 - a donor that can't answer is skipped
-            log.info("donor %s gave no manifest: %s", peer[-8:], e)
+                return
+            except ProtocolViolation as v:
+                # Our heartbeat may not have reached the donor's view of the DHT yet: ask again shortly.
+                if v.code in (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_READY) and attempt < UNAUTHORIZED_RETRIES:
+                    await asyncio.sleep(1.0 + attempt)
+                    continue
+                log.info("donor %s gave no manifest: %s", peer[-8:], v)
+                return
+            except (Exception, TimeoutError) as e:  # noqa: BLE001 - a donor that can't answer is skipped
+                log.info("donor %s gave no manifest: %s", peer[-8:], e)
+                return
 
     await asyncio.gather(*(ask(d) for d in donors))
     if not manifests:
         return None
     best = max(manifests, key=lambda h: (manifests[h][0], len(holders[h])))
     rnd, manifest = manifests[best]
-    entries = {m["name"]: m for m in manifest if isinstance(m, dict) and isinstance(m.get("name"), str)}
-    total = sum(4 * int(np.prod(m.get("shape", [0]))) for m in entries.values())
+    entries = {m["name"]: m for m in manifest}
+    total = sum(4 * int(np.prod(m["shape"])) for m in entries.values())
     if total > max_bytes:
         log.warning("refusing a state of %d bytes (limit %d)", total, max_bytes)
         return None
-    # Batches of names up to FETCH_BATCH_BYTES, spread round-robin over the donors holding this state.
+    # Batches of names up to FETCH_BATCH_BYTES, spread over the donors holding this state.
     batches: list[list[str]] = [[]]
     size = 0
     for name, m in sorted(entries.items()):
@@ -165,31 +134,37 @@ async def fetch_state(p2p: P2P, *, run_id: str, me: str, donors: list[str], time
         batches[-1].append(name)
         size += nbytes
     got: dict[str, torch.Tensor] = {}
-    live = list(holders[best])
     queue: asyncio.Queue[list[str]] = asyncio.Queue()
     for b in batches:
         queue.put_nowait(b)
+
+    async def read_body(names: list[str], link: Link, resp: dict[str, Any]) -> list[bytearray]:
+        sizes = resp.get("sizes")
+        want = [4 * int(np.prod(entries[n]["shape"])) for n in names]
+        if sizes != want:
+            raise ProtocolViolation(ErrorCode.BAD_SHAPE, "state answer sizes differ from the manifest")
+        link.expect(sum(want) + 4 * len(want))
+        return [await link.read_part(n) for n in want]
 
     async def worker(donor: str) -> None:
         while not queue.empty():
             names = queue.get_nowait()
             try:
-                _, parts = await _request(p2p, donor, handler,
-                                          {**base, "type": "state_fetch", "names": names, "state_hash": best},
-                                          timeout, read_body=True)
-                if len(parts) != len(names):
-                    raise ProtocolViolation(ErrorCode.MALFORMED, "wrong number of tensors")
+                _, parts = await request(p2p, donor, handler, state_fetch_header(run_id, me, names, best), limits,
+                                         body=lambda link, resp, names=names: read_body(names, link, resp))
                 for name, data in zip(names, parts):
                     m = entries[name]
-                    if len(data) != 4 * int(np.prod(m["shape"])) or hashlib.sha256(data).hexdigest() != m["sha256"]:
+                    if hashlib.sha256(data).hexdigest() != m["sha256"]:
+                        if on_fault is not None:
+                            on_fault(donor, f"state tensor {name}: hash mismatch")
                         raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, f"{name}: hash mismatch")
-                    got[name] = torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy()).reshape(m["shape"])
+                    got[name] = torch.frombuffer(data, dtype=torch.float32).reshape(m["shape"])
             except (Exception, TimeoutError) as e:  # noqa: BLE001 - drop this donor, give its batch back
                 log.warning("donor %s failed: %s", donor[-8:], e)
                 queue.put_nowait(names)
                 return
 
-    await asyncio.gather(*(worker(d) for d in live))
+    await asyncio.gather(*(worker(d) for d in holders[best]))
     if set(got) != set(entries):
         return None
     return rnd, got

@@ -8,9 +8,10 @@ DHT records (small ones only; tensors never go through the DHT):
   step, loss, val_loss, tokens_per_s, bytes_sent, last_exchange, version, maddrs,
   time} that expires after ``heartbeat_ttl_s``.
 
-The members of round r are the live peers whose ``join_round <= r``, sorted by
-peer id. A joiner announces a join_round a little ahead of the swarm, so every
-peer includes it from the same round on.
+The members of round r are the live peers whose ``join_round <= r`` and whose
+last round is not far behind r (:func:`members_for_round`), sorted by peer id. A
+joiner announces a join_round a little ahead of the swarm, so every peer includes
+it from the same round on. Local bans never change the members.
 """
 
 from __future__ import annotations
@@ -80,8 +81,19 @@ async def read_heartbeats(dht: DHTNode, run_id: str) -> list[Heartbeat]:
     return sorted(out, key=lambda h: h.peer)
 
 
-def members_for_round(beats: list[Heartbeat], round_idx: int, me: str, banned: set[str]) -> list[str]:
-    """The round's members: live peers admitted by then, self always included, banned peers left out."""
-    members = {h.peer for h in beats if h.join_round <= round_idx and h.peer not in banned}
+MEMBER_LAG_ROUNDS = 3
+"""A peer whose last heartbeat is more than this many rounds behind round r is not a member of r."""
+
+
+def members_for_round(beats: list[Heartbeat], round_idx: int, me: str) -> list[str]:
+    """The members of round r, from a snapshot every peer reads alike.
+
+    A peer is a member of r when its heartbeat is live, it was admitted by r (``join_round <= r``) and its
+    last published round is at least ``r - MEMBER_LAG_ROUNDS``. Both tests read the heartbeat's *content*,
+    not when it was read, so two peers that see the same records derive the same groups, whatever their
+    timing; a peer that died drops out for everyone at the same round, once its round counter is left
+    behind. Local bans are not applied: a banned partner is skipped at exchange time instead.
+    """
+    members = {h.peer for h in beats if h.join_round <= round_idx and h.round >= round_idx - MEMBER_LAG_ROUNDS}
     members.add(me)
     return sorted(members)

@@ -49,8 +49,15 @@ class OuterAlgorithm(ABC):
     """One worker's view of an outer algorithm."""
 
     name: ClassVar[str]
-    payload_prefixes: ClassVar[tuple[str, ...]]
-    """Payload keys are f"{prefix}/{parameter name}" for each prefix."""
+    payload_roles: dict[str, str]
+    """Payload keys are f"{prefix}/{parameter name}"; this maps each prefix to its tensor role
+    ("parameter", "outer_gradient"), which picks the codec stack from the run spec's compression."""
+    payload_encoded: dict[str, str] = {}
+    """Prefixes whose values the algorithm encodes itself (stateful codecs): prefix -> codec stack."""
+
+    @property
+    def payload_prefixes(self) -> tuple[str, ...]:
+        return tuple(self.payload_roles)
 
     def __init__(self, cfg: OuterConfig, params: Params, me: int) -> None:
         self.cfg = cfg

@@ -21,7 +21,7 @@ from locomm.protocol.base import Exchange, OuterAlgorithm, Params, Payload, mean
 
 class DiLoCo(OuterAlgorithm):
     name = "diloco"
-    payload_prefixes = ("delta",)
+    payload_roles = {"delta": "outer_gradient"}
 
     def __init__(self, cfg: OuterConfig, params: Params, me: int) -> None:
         super().__init__(cfg, params, me)

@@ -31,7 +31,7 @@ from locomm.protocol.schedule import gasloc_graph, metropolis_weight
 
 class GASLoC(OuterAlgorithm):
     name = "gasloc"
-    payload_prefixes = ("y",)
+    payload_roles = {"y": "parameter"}
 
     def __init__(self, cfg: OuterConfig, params: Params, me: int) -> None:
         super().__init__(cfg, params, me)

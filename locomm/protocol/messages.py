@@ -25,11 +25,14 @@ from typing import Any
 import msgpack
 
 from locomm import PROTOCOL_VERSION
+from locomm.compression.payload import MAX_PART_ELEMS, Part, PayloadCodec, allowed_stack
 
 HEADER_LEN = struct.Struct(">I")
+PART_LEN = struct.Struct(">I")
+"""Each part of a streamed body is framed as u32 big-endian length | bytes."""
 MAX_HEADER_BYTES = 1 << 20
+MAX_STREAMS = 16
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-ALLOWED_CODECS = {"none", "lossless", "fp16", "bf16", "blockwise8", "topk2bit"}
 
 
 class ErrorCode(enum.IntEnum):
@@ -46,6 +49,16 @@ class ErrorCode(enum.IntEnum):
     STALE_ROUND = 10
     BANNED = 11
     INTERNAL = 12
+    TIMEOUT = 13
+    """A transfer stalled or fell below the floor rate: slowness, not a fault."""
+    UNAUTHORIZED = 14
+    """The sender is not allowed to use this service (not an admitted member, say): not a fault."""
+
+
+FAULT_CODES = frozenset({ErrorCode.BAD_VERSION, ErrorCode.WRONG_RUN, ErrorCode.MALFORMED, ErrorCode.TOO_LARGE,
+                         ErrorCode.UNEXPECTED_TENSOR, ErrorCode.BAD_SHAPE, ErrorCode.BAD_PAYLOAD,
+                         ErrorCode.NOT_FINITE})
+"""Violations that count against the sender; slowness, refusals and our own errors never do."""
 
 
 class ProtocolViolation(Exception):
@@ -155,7 +168,7 @@ def validate_header(h: Mapping[str, Any], *, run_id: str, expected: Mapping[str,
         if name in seen:
             raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, f"tensor {name!r} sent twice")
         seen.add(name)
-        if codec not in ALLOWED_CODECS:
+        if not allowed_stack(codec):
             raise ProtocolViolation(ErrorCode.MALFORMED, f"codec {codec!r} is not allowed")
         if expected is not None:
             spec = expected[name]
@@ -183,3 +196,109 @@ def check_response(h: Mapping[str, Any]) -> ErrorCode:
     if not isinstance(status, int) or status not in ErrorCode._value2member_map_:
         raise ProtocolViolation(ErrorCode.MALFORMED, "response without a valid status")
     return ErrorCode(status)
+
+
+# ---------------------------------------------------------------- request builders and validators
+
+def envelope(run_id: str, mtype: str, round_idx: int, sender: str, **fields: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "run": run_id, "type": mtype, "round": round_idx, "sender": sender, **fields}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A validated push stream (or pull answer): which parts of the run's payload layout it carries."""
+
+    xfer: int
+    stream: int
+    streams: int
+    enc: dict[str, int]
+    """Byte length of each value the algorithm encoded itself."""
+    parts: tuple[Part, ...]
+
+    def max_bytes(self, codec: PayloadCodec) -> int:
+        return sum(codec.max_part_bytes(p) + PART_LEN.size for p in self.parts)
+
+
+def transfer_fields(xfer: int, stream: int, streams: int, enc: Mapping[str, int],
+                    parts: list[Part]) -> dict[str, Any]:
+    return {"xfer": xfer, "stream": stream, "streams": streams, "enc": dict(enc),
+            "parts": [[p.tensor, p.start, p.count] for p in parts]}
+
+
+def validate_transfer(fields: Mapping[str, Any], codec: PayloadCodec, max_body_bytes: int) -> Transfer:
+    """Check a transfer's layout against the run's payload layout; nothing is allocated here."""
+    xfer, stream, streams = _field(fields, "xfer", int), _field(fields, "stream", int), _field(fields, "streams", int)
+    if not 1 <= streams <= MAX_STREAMS or not 0 <= stream < streams:
+        raise ProtocolViolation(ErrorCode.MALFORMED, f"stream {stream} of {streams}")
+    enc = fields.get("enc")
+    want_enc = {t.name: t for t in codec.tensors if t.encoded}
+    if not isinstance(enc, dict) or set(enc) != set(want_enc):
+        raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "encoded values do not match the run's payload")
+    for name, n in enc.items():
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= want_enc[name].max_bytes():
+            raise ProtocolViolation(ErrorCode.TOO_LARGE, f"{name}: {n!r} bytes is more than it can take")
+    raw = fields.get("parts")
+    if not isinstance(raw, list) or not raw:
+        raise ProtocolViolation(ErrorCode.MALFORMED, "'parts' is not a non-empty list")
+    canonical = set(codec.parts(enc))
+    parts: list[Part] = []
+    for item in raw:
+        if (not isinstance(item, list) or len(item) != 3
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
+            raise ProtocolViolation(ErrorCode.MALFORMED, "a part is not [tensor, start, count]")
+        part = Part(*item)
+        if part not in canonical or part.count > MAX_PART_ELEMS * 4:
+            raise ProtocolViolation(ErrorCode.BAD_SHAPE, f"part {item} is not in this run's payload layout")
+        parts.append(part)
+    if len(set(parts)) != len(parts):
+        raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "a part is listed twice")
+    t = Transfer(xfer, stream, streams, {k: int(v) for k, v in enc.items()}, tuple(parts))
+    if t.max_bytes(codec) > max_body_bytes:
+        raise ProtocolViolation(ErrorCode.TOO_LARGE, f"transfer of up to {t.max_bytes(codec)} bytes exceeds "
+                                f"the limit {max_body_bytes}")
+    return t
+
+
+def push_header(run_id: str, round_idx: int, sender: str, xfer: int, stream: int, streams: int,
+                enc: Mapping[str, int], parts: list[Part]) -> dict[str, Any]:
+    return envelope(run_id, "push", round_idx, sender, **transfer_fields(xfer, stream, streams, enc, parts))
+
+
+def pull_header(run_id: str, round_idx: int, sender: str) -> dict[str, Any]:
+    """Ask a partner for its payload of a round (a peer that cannot be dialled fetches what it cannot be sent)."""
+    return envelope(run_id, "pull", round_idx, sender)
+
+
+def state_manifest_header(run_id: str, sender: str) -> dict[str, Any]:
+    return envelope(run_id, "state_manifest", 0, sender)
+
+
+def state_fetch_header(run_id: str, sender: str, names: list[str], state_hash: str) -> dict[str, Any]:
+    return envelope(run_id, "state_fetch", 0, sender, names=names, state_hash=state_hash)
+
+
+MAX_NAMES_PER_REQUEST = 4096
+
+
+def validate_state_fetch(msg: Message, known: Mapping[str, Any]) -> tuple[list[str], str]:
+    names, h = msg.fields.get("names"), msg.fields.get("state_hash")
+    if (not isinstance(names, list) or not 0 < len(names) <= MAX_NAMES_PER_REQUEST
+            or not all(isinstance(n, str) and n in known for n in names) or len(set(names)) != len(names)):
+        raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "unknown, repeated or too many tensor names")
+    if not isinstance(h, str):
+        raise ProtocolViolation(ErrorCode.MALFORMED, "state_hash missing")
+    return names, h
+
+
+def validate_manifest(resp: Mapping[str, Any]) -> tuple[int, str, list[dict[str, Any]]]:
+    h, rnd, man = resp.get("state_hash"), resp.get("round"), resp.get("manifest")
+    if not isinstance(h, str) or not isinstance(rnd, int) or not isinstance(man, list):
+        raise ProtocolViolation(ErrorCode.MALFORMED, "manifest answer lacks state_hash, round or manifest")
+    clean = []
+    for m in man:
+        if (not isinstance(m, dict) or not isinstance(m.get("name"), str) or not isinstance(m.get("sha256"), str)
+                or not isinstance(m.get("shape"), list)
+                or not all(isinstance(x, int) and 0 <= x < 1 << 40 for x in m["shape"])):
+            raise ProtocolViolation(ErrorCode.MALFORMED, "bad manifest entry")
+        clean.append(m)
+    return rnd, h, clean

@@ -30,7 +30,8 @@ def default_codec_factory(cfg: OuterConfig) -> Callable[[], Any]:
 
 class SparseLoCo(OuterAlgorithm):
     name = "sparseloco"
-    payload_prefixes = ("sparse",)
+    payload_roles = {"sparse": "outer_gradient"}
+    payload_encoded = {"sparse": "topk2bit"}
 
     def __init__(self, cfg: OuterConfig, params: Params, me: int,
                  codec_factory: Callable[[], Any] | None = None) -> None:
@@ -48,8 +49,24 @@ class SparseLoCo(OuterAlgorithm):
             total = torch.zeros_like(phi)
             count = torch.zeros_like(phi)
             for pl in received.values():
-                d = self.codecs[k].decode(pl[f"sparse/{k}"]).float().reshape(phi.shape)
+                v = pl[f"sparse/{k}"]  # the codec's bytes (own payload), or a tensor the transport decoded
+                d = (self.codecs[k].decode(v) if isinstance(v, (bytes, bytearray, memoryview)) else v)
+                d = d.float().reshape(phi.shape)
                 total.add_(d)
                 count.add_((d != 0).float())
             phi.sub_(total.div_(count.clamp_(min=1)), alpha=self.cfg.sparse_lr)
         self._set_params(params, self.phi)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """phi and each parameter's error-feedback residual (zeros before the first round)."""
+        ef = {}
+        for k, phi in self.phi.items():
+            e = self.codecs[k].error
+            ef[f"ef/{k}"] = e.view(phi.shape) if e is not None else torch.zeros_like(phi)
+        return {**super().state_dict(), **ef}
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        for k, phi in self.phi.items():  # materialize the buffers so the base class copies into them
+            if self.codecs[k].error is None:
+                self.codecs[k].error = torch.zeros(phi.numel(), dtype=torch.float32)
+        super().load_state_dict(tensors)

@@ -8,10 +8,10 @@ Notable:
   many bytes to whom, and ``network.replay`` turns that log into a wall-clock
   timeline for any link speed afterwards. One training run gives the timeline at
   80 Mbit/s and at 10 Gbit/s.
-- Payload tensors pass through the codec configured for their role (encoded to
-  bytes, decoded on receipt), so byte counts are what the codec really produced
-  and lossy codecs really change what peers receive. SparseLoCo's payload is
-  already its codec's bytes.
+- Payload tensors pass through the daemon's own role-aware codec
+  (``compression/payload.py``: the same parts, stacks and rounding), so byte
+  counts are what the daemon sends and lossy stages really change what peers
+  receive. SparseLoCo's payload is already its codec's bytes.
 - DDP runs as one shared replica whose step averages the N workers' gradients
   (replicas of plain data parallelism are identical by construction); its bytes
   are those of N workers all-reducing gradients every step.
@@ -27,40 +27,12 @@ from typing import Any
 
 import torch
 
-from locomm.config import ConfigError, RunSpec
+from locomm.compression.payload import PayloadCodec
+from locomm.config import TENSOR_ROLES, ConfigError, RunSpec
 from locomm.data import BatchSampler, TokenSplits, load_corpus
 from locomm.protocol import DDP, Exchange, Payload, build_outer
 from locomm.sim.network import NetworkModel, RoundRecord, replay
 from locomm.train import Trainer
-
-
-class PayloadCoder:
-    """Encodes a payload's tensors with the codec of their role and decodes them for receivers."""
-
-    def __init__(self, codec: str | None) -> None:
-        self.codec_name = codec
-        self._codec: Any = None
-        if codec and codec != "none":
-            from locomm.compression import get_codec  # noqa: PLC0415
-
-            self._codec = get_codec(codec)
-
-    def transmit(self, payload: Payload) -> tuple[Payload, int]:
-        """What the receivers get, and the bytes on the wire."""
-        out: Payload = {}
-        nbytes = 0
-        for k, v in payload.items():
-            if isinstance(v, (bytes, bytearray, memoryview)):
-                out[k] = v
-                nbytes += len(v)
-            elif self._codec is None:
-                out[k] = v
-                nbytes += v.numel() * v.element_size()
-            else:
-                data = self._codec.encode(v.detach().cpu().contiguous())
-                nbytes += len(data)
-                out[k] = self._codec.decode(data).reshape(v.shape).float()
-        return out, nbytes
 
 
 @dataclass
@@ -112,7 +84,8 @@ class Simulator:
         self.spec = spec
         self.workers = workers
         self.splits = splits if splits is not None else load_corpus(spec.data)
-        self.coder = PayloadCoder(codec)
+        compression = spec.compression if codec is None else {r: codec for r in TENSOR_ROLES}
+        self.compression = compression
         self.eval_every = max(1, eval_every)
         self.members = list(range(workers))
         if algo == "ddp":
@@ -124,6 +97,13 @@ class Simulator:
             self.trainers = [Trainer(spec, splits=self.splits, worker_id=w, num_workers=workers)
                              for w in range(workers)]
             self.algos = [build_outer(spec.outer, self._params(w), w) for w in range(workers)]
+        shapes = {k: tuple(p.shape) for k, p in self._params(0).items()}
+        # The daemon's codec: the same parts, stacks and rounding, so both count the same bytes.
+        if algo == "ddp":
+            self.coder = PayloadCodec(shapes, {"grad": "outer_gradient"}, compression)
+        else:
+            a0 = self.algos[0]
+            self.coder = PayloadCodec(shapes, a0.payload_roles, compression, encoded=a0.payload_encoded)
 
     def _params(self, w: int) -> dict[str, torch.Tensor]:
         return dict(self.trainers[w].model.named_parameters())

@@ -1,0 +1,398 @@
+"""The exchange layer: one service base for every locomm binary-stream handler, and byte-sized deadlines.
+
+hivemind's ``ServicerBase`` declares a protobuf handler per RPC; locomm's payloads are
+raw tensor parts, so the services here sit on p2pd binary streams with locomm's own
+frames (``u32 length | msgpack header``, then ``u32 length | bytes`` per part). A
+service declares one handler per message type and a policy; for every request
+the base does, in order:
+
+1. a bounded header read (``request_timeout_s``; at most ``MAX_HEADER_BYTES``);
+2. validation of the envelope against ``protocol/messages.py`` (version, run,
+   type, round, sender == the stream's authenticated peer id);
+3. the authorize hook with the service's policy (``member``: admitted members
+   only, ``announced``: any peer with a heartbeat, joiners included). Signatures
+   plug in here;
+4. the handler, which reads its body through :class:`Link` (streamed, under the
+   deadlines below) and decodes in the codec pool (:meth:`RpcServer.decode`:
+   never on the loop, never on the compute thread);
+5. an answer with an :class:`ErrorCode`. Violations in ``FAULT_CODES`` count as
+   the sender's faults; slowness (``TIMEOUT``), refusals and our own errors never do.
+
+Deadlines are sized by bytes, not one fixed total. A transfer is cut off when it
+*stalls* (no byte moved for ``stall_timeout_s``), when it runs past its declared
+size at the floor rate ``min_rate_mbit`` (plus ``request_timeout_s`` of slack), or
+when, over any ``rate_window_s`` of waiting on the wire, it moved less than the
+floor: a sender trickling 1 byte/s into a 1 GB declaration is cut off after one
+window, not after 800 s. With S parallel streams each stream is held to 1/S of
+the floor. Open streams per remote peer are capped (``max_streams_per_peer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivemind.p2p import P2P, PeerID
+
+from locomm.protocol.messages import (FAULT_CODES, HEADER_LEN, PART_LEN, ErrorCode, Message, ProtocolViolation,
+                                      check_response, decode_header, pack_frame, read_header_length,
+                                      response_header, validate_header)
+
+log = logging.getLogger(__name__)
+IO_CHUNK = 1 << 18
+"""Bytes per read/write call: small enough for progress and stall checks, large enough to be cheap."""
+
+
+class TransferCut(Exception):
+    """A transfer stalled, ran past its deadline, or fell below the floor rate (not a fault)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    request_timeout_s: float = 30.0
+    stall_timeout_s: float = 20.0
+    min_rate_Bps: float = 10e6 / 8
+    rate_window_s: float = 30.0
+    max_streams_per_peer: int = 16
+
+    @classmethod
+    def from_network(cls, cfg: Any) -> "Limits":
+        return cls(request_timeout_s=cfg.request_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
+                   min_rate_Bps=cfg.min_rate_mbit * 1e6 / 8, rate_window_s=cfg.rate_window_s,
+                   max_streams_per_peer=cfg.max_streams_per_peer)
+
+    def deadline_s(self, nbytes: int, streams: int = 1) -> float:
+        """How long ``nbytes`` may take on one of ``streams`` parallel streams at the floor rate."""
+        return self.request_timeout_s + nbytes * max(1, streams) / self.min_rate_Bps
+
+
+@dataclass
+class Meter:
+    """Progress of one stream, for the live display, ETAs and the upload-rate estimate."""
+
+    peer: str
+    direction: str  # "send" | "recv"
+    total: int = 0
+    done: int = 0
+    t0: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)
+
+    @property
+    def rate_Bps(self) -> float:
+        dt = self.last - self.t0
+        return self.done / dt if dt > 0 else 0.0
+
+    def view(self) -> dict[str, Any]:
+        rate = self.rate_Bps
+        left = max(0, self.total - self.done)
+        return {"peer": self.peer[-8:], "direction": self.direction, "done": self.done, "total": self.total,
+                "rate_bps": rate, "eta_s": left / rate if rate > 0 else None}
+
+
+class Link:
+    """One stream's reads and writes under the limits (stall, floor rate over a window, size deadline)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limits: Limits, meter: Meter,
+                 streams: int = 1) -> None:
+        self.reader, self.writer, self.limits, self.meter = reader, writer, limits, meter
+        self.streams = max(1, streams)
+        self.deadline: float | None = None
+        self.waited = 0.0
+        self._window: deque[tuple[float, int]] = deque([(0.0, 0)])
+        self._moved = 0
+
+    def expect(self, nbytes: int, streams: int | None = None) -> None:
+        """A body of up to ``nbytes`` follows: set the size-based deadline from now."""
+        if streams is not None:
+            self.streams = max(1, streams)
+        self.meter.total += nbytes
+        self.deadline = time.monotonic() + self.limits.deadline_s(nbytes, self.streams)
+
+    def _progress(self, n: int, waited: float) -> None:
+        now = time.monotonic()
+        self.waited += waited
+        self._moved += n
+        self.meter.done += n
+        self.meter.last = now
+        self._window.append((self.waited, self._moved))
+        # Floor rate over the last window of waiting (time spent decoding or encoding does not count).
+        while len(self._window) > 2 and self._window[1][0] <= self.waited - self.limits.rate_window_s:
+            self._window.popleft()
+        w0, b0 = self._window[0]
+        span = self.waited - w0
+        if span >= self.limits.rate_window_s:
+            floor = self.limits.min_rate_Bps / self.streams
+            if (self._moved - b0) < floor * span:
+                raise TransferCut(f"{(self._moved - b0) / span * 8 / 1e6:.2f} Mbit/s over {span:.0f} s, "
+                                  f"below the floor of {floor * 8 / 1e6:.2f} Mbit/s")
+        if self.deadline is not None and now > self.deadline:
+            raise TransferCut(f"past the deadline for {self.meter.total} bytes at the floor rate")
+
+    def _timeout(self) -> float:
+        t = self.limits.stall_timeout_s
+        if self.deadline is not None:
+            t = min(t, max(0.0, self.deadline - time.monotonic()))
+        return t
+
+    # -- reads -------------------------------------------------------------------------
+
+    async def read_header(self) -> dict[str, Any]:
+        """A bounded header read: request_timeout_s for the whole header."""
+        try:
+            async with asyncio.timeout(self.limits.request_timeout_s):
+                prefix = await self.reader.readexactly(HEADER_LEN.size)
+                raw = await self.reader.readexactly(read_header_length(prefix))
+        except asyncio.IncompleteReadError:
+            raise ProtocolViolation(ErrorCode.MALFORMED, "stream ended inside a header") from None
+        except TimeoutError:
+            raise TransferCut("no header within request_timeout_s") from None
+        return decode_header(raw)
+
+    async def read_exact(self, n: int) -> bytearray:
+        """Exactly ``n`` bytes (already bounded by a validated declaration), in chunks under the limits."""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            t0 = time.monotonic()
+            try:
+                chunk = await asyncio.wait_for(self.reader.read(min(IO_CHUNK, n - got)), self._timeout())
+            except TimeoutError:
+                raise TransferCut(f"no bytes for {self._timeout():.0f} s ({got} of {n} read)") from None
+            if not chunk:
+                raise ConnectionError(f"stream ended after {got} of {n} bytes")
+            view[got:got + len(chunk)] = chunk
+            got += len(chunk)
+            self._progress(len(chunk), time.monotonic() - t0)
+        return buf
+
+    async def read_part(self, max_bytes: int) -> bytearray:
+        """One ``u32 length | bytes`` part whose length must not exceed ``max_bytes``."""
+        prefix = await self.read_exact(PART_LEN.size)
+        n = PART_LEN.unpack(prefix)[0]
+        if n > max_bytes:
+            raise ProtocolViolation(ErrorCode.TOO_LARGE, f"part of {n} bytes, at most {max_bytes} allowed")
+        return await self.read_exact(n)
+
+    # -- writes ------------------------------------------------------------------------
+
+    async def write_header(self, header: Mapping[str, Any]) -> None:
+        self.writer.write(pack_frame(header))
+        try:
+            await asyncio.wait_for(self.writer.drain(), self.limits.request_timeout_s)
+        except TimeoutError:
+            raise TransferCut("could not send a header within request_timeout_s") from None
+
+    async def write_bytes(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        for off in range(0, len(view), IO_CHUNK):
+            piece = view[off:off + IO_CHUNK]
+            t0 = time.monotonic()
+            self.writer.write(piece)
+            try:
+                await asyncio.wait_for(self.writer.drain(), self._timeout())
+            except TimeoutError:
+                raise TransferCut(f"the receiver took nothing for {self._timeout():.0f} s") from None
+            self._progress(len(piece), time.monotonic() - t0)
+
+    async def write_part(self, data: bytes | bytearray | memoryview) -> None:
+        await self.write_bytes(PART_LEN.pack(len(data)) + bytes(data) if len(data) < IO_CHUNK else
+                               PART_LEN.pack(len(data)))
+        if len(data) >= IO_CHUNK:
+            await self.write_bytes(data)
+
+    async def read_answer(self, extra_s: float = 0.0) -> tuple[ErrorCode, dict[str, Any]]:
+        """The peer's answer header: waits a stall timeout (plus ``extra_s`` for its decoding)."""
+        try:
+            async with asyncio.timeout(self.limits.stall_timeout_s + self.limits.request_timeout_s + extra_s):
+                prefix = await self.reader.readexactly(HEADER_LEN.size)
+                raw = await self.reader.readexactly(read_header_length(prefix))
+        except asyncio.IncompleteReadError:
+            raise ConnectionError("stream ended before the answer") from None
+        except TimeoutError:
+            raise TransferCut("no answer in time") from None
+        resp = decode_header(raw)
+        return check_response(resp), resp
+
+
+# ------------------------------------------------------------------------------ server
+
+Authorize = Callable[[str, str], Awaitable[bool]]
+"""(remote peer id, policy) -> allowed."""
+
+
+@dataclass
+class Call:
+    """One incoming request, as a handler sees it."""
+
+    remote: str
+    msg: Message
+    link: Link
+    server: "RpcServer"
+    answered: bool = False
+
+    async def answer(self, code: ErrorCode = ErrorCode.OK, message: str = "", **fields: Any) -> None:
+        self.answered = True
+        await self.link.write_header(response_header(code, message, **fields))
+
+
+Handler = Callable[[Call], Awaitable[None]]
+
+
+@dataclass
+class Service:
+    name: str
+    """Handler name suffix: the stream handler is ``locomm.{run}.{name}``."""
+    handlers: dict[str, Handler]
+    """Message type -> handler."""
+    policy: str = "member"
+    """``member``: admitted members only; ``announced``: any peer with a heartbeat (joiners too)."""
+
+
+@dataclass
+class RpcStats:
+    errors_answered: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    cut: int = 0
+
+
+class RpcServer:
+    """Serves locomm's services on one P2P instance."""
+
+    def __init__(self, p2p: P2P, run_id: str, limits: Limits, pool: Executor, *,
+                 authorize: Authorize | None = None, is_banned: Callable[[str], bool] = lambda _: False,
+                 on_fault: Callable[[str, str], None] = lambda *_: None) -> None:
+        self.p2p, self.run_id, self.limits, self.pool = p2p, run_id, limits, pool
+        self.authorize = authorize
+        self.is_banned = is_banned
+        self.on_fault = on_fault
+        self.open_streams: dict[str, int] = defaultdict(int)
+        self.meters: list[Meter] = []
+        self.stats = RpcStats()
+
+    def handler_name(self, service: str) -> str:
+        return f"locomm.{self.run_id}.{service}"
+
+    async def add(self, service: Service) -> None:
+        async def serve(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(service, info.peer_id.to_base58(), reader, writer)
+
+        await self.p2p.add_binary_stream_handler(self.handler_name(service.name), serve)
+
+    async def decode(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a decode (or encode) in the codec pool, off the loop and off the compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def _serve(self, service: Service, remote: str, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        meter = Meter(remote, "recv")
+        link = Link(reader, writer, self.limits, meter)
+        call: Call | None = None
+        self.open_streams[remote] += 1
+        self.meters.append(meter)
+        try:
+            code, message = ErrorCode.OK, ""
+            try:
+                if self.is_banned(remote):
+                    # Read (and drop) the bounded header so the answer is not lost to a reset; never the body.
+                    with contextlib.suppress(ProtocolViolation, TransferCut):
+                        await link.read_header()
+                    raise ProtocolViolation(ErrorCode.BANNED, "banned")
+                if self.open_streams[remote] > self.limits.max_streams_per_peer:
+                    with contextlib.suppress(ProtocolViolation, TransferCut):
+                        await link.read_header()
+                    raise ProtocolViolation(ErrorCode.NOT_READY, "too many open streams from this peer")
+                header = await link.read_header()
+                msg = validate_header(header, run_id=self.run_id, expected=None, max_body_bytes=1 << 62,
+                                      types=tuple(service.handlers))
+                if msg.sender != remote:
+                    raise ProtocolViolation(ErrorCode.MALFORMED, "sender does not match the stream's peer id")
+                if self.authorize is not None and not await self.authorize(remote, service.policy):
+                    raise ProtocolViolation(ErrorCode.UNAUTHORIZED, f"not allowed by the {service.policy!r} policy")
+                call = Call(remote, msg, link, self)
+                await service.handlers[msg.type](call)
+            except ProtocolViolation as v:
+                code, message = v.code, v.message
+                if v.code in FAULT_CODES:
+                    self.on_fault(remote, v.message)
+            except TransferCut as e:
+                self.stats.cut += 1
+                log.info("%s from %s cut off: %s", service.name, remote[-8:], e)
+                code, message = ErrorCode.TIMEOUT, str(e)
+            except (ConnectionError, asyncio.IncompleteReadError) as e:
+                log.info("%s from %s: the stream broke: %s", service.name, remote[-8:], e)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug must not take the peer down
+                log.exception("%s handler failed", service.name)
+                code, message = ErrorCode.INTERNAL, type(e).__name__
+            if code != ErrorCode.OK:
+                self.stats.errors_answered[code.name] += 1
+            if call is None or not call.answered:
+                with contextlib.suppress(Exception):
+                    await link.write_header(response_header(code, message))
+            if code != ErrorCode.OK:
+                # Closing with unread bytes resets the stream, and the reset can overtake our answer: take
+                # in (and drop) a little of what the sender is still writing before closing.
+                with contextlib.suppress(Exception):
+                    await _drain(reader, DRAIN_BYTES, DRAIN_S)
+        finally:
+            self.open_streams[remote] -= 1
+            if self.open_streams[remote] <= 0:
+                del self.open_streams[remote]
+            with contextlib.suppress(ValueError):
+                self.meters.remove(meter)
+            writer.close()
+
+
+DRAIN_BYTES = 8 << 20
+DRAIN_S = 1.0
+
+
+async def _drain(reader: asyncio.StreamReader, max_bytes: int, max_s: float) -> None:
+    end = time.monotonic() + max_s
+    left = max_bytes
+    while left > 0 and time.monotonic() < end:
+        chunk = await asyncio.wait_for(reader.read(min(IO_CHUNK, left)), max(0.01, end - time.monotonic()))
+        if not chunk:
+            return
+        left -= len(chunk)
+
+
+# ------------------------------------------------------------------------------ client
+
+class Unreachable(Exception):
+    """The peer could not be dialled (behind NAT, gone): not a fault."""
+
+
+async def open_link(p2p: P2P, peer: str, handler: str, limits: Limits, direction: str = "send",
+                    streams: int = 1) -> Link:
+    try:
+        async with asyncio.timeout(limits.request_timeout_s):
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
+    except asyncio.CancelledError:
+        raise
+    except (Exception, TimeoutError) as e:  # noqa: BLE001 - p2pd reports dial failures in several ways
+        raise Unreachable(f"{type(e).__name__}: {e}") from None
+    return Link(reader, writer, limits, Meter(peer, direction), streams)
+
+
+async def request(p2p: P2P, peer: str, handler: str, header: Mapping[str, Any], limits: Limits,
+                  body: Callable[[Link, dict[str, Any]], Awaitable[Any]] | None = None) -> tuple[dict[str, Any], Any]:
+    """One request: send ``header``, read the answer; ``body(link, answer)`` reads what follows an OK."""
+    link = await open_link(p2p, peer, handler, limits, "recv")
+    try:
+        await link.write_header(header)
+        code, resp = await link.read_answer()
+        if code != ErrorCode.OK:
+            raise ProtocolViolation(code, str(resp.get("msg", "")))
+        return resp, (await body(link, resp) if body is not None else None)
+    finally:
+        link.writer.close()

@@ -247,6 +247,15 @@ class PayloadCodec:
             dest[t.name] = x
         return dest
 
+    def warm_up(self) -> None:
+        """Encode and decode a small tensor with every stack once (numba compiles its kernels on first use:
+        seconds that must not land inside a transfer's deadline)."""
+        for stack in sorted({t.codec for t in self.tensors if not t.encoded}):
+            codec = self.codec(stack)
+            if codec is not None:
+                x = torch.linspace(-1, 1, 4096)
+                codec.decode(codec.encode(x))
+
     # -- the simulator's path ----------------------------------------------------------
 
     def transmit(self, payload: Mapping[str, Any]) -> tuple[dict[str, Any], int]:

@@ -55,6 +55,11 @@ RECEIVE_WINDOW = 1
 """Payload buffers are allocated only for rounds within this distance of ours."""
 MAX_SENDERS_PER_ROUND = 64
 PULL_RETRY_S = 3.0
+PUSH_ATTEMPTS = 3
+
+
+class _EarlyReset(ConnectionError):
+    """The stream broke before any part went out (a refusal whose answer the reset overtook)."""
 _PAYLOAD_CODES = {"shape": ErrorCode.BAD_SHAPE, "payload": ErrorCode.BAD_PAYLOAD, "finite": ErrorCode.NOT_FINITE}
 _REFUSALS = {ErrorCode.BANNED, ErrorCode.WRONG_RUN, ErrorCode.BAD_VERSION, ErrorCode.STALE_ROUND,
              ErrorCode.UNAUTHORIZED}
@@ -69,6 +74,8 @@ class GossipStats:
     """Partner-rounds whose payload arrived."""
     exchanges_failed: int = 0
     """Partner-rounds whose payload did not arrive in time."""
+    bytes_undelivered: int = 0
+    """Part of bytes_sent that went into pushes the partner refused or cut (a retry sends them again)."""
     pushes_ok: int = 0
     pushes_failed: int = 0
     pulls: int = 0
@@ -155,7 +162,8 @@ class Gossip:
         self.incoming: dict[tuple[str, int], Incoming] = {}
         self.arrived = asyncio.Condition()
         self.current_round = 0
-        self.outgoing: Outgoing | None = None
+        self.outgoing: dict[int, Outgoing] = {}
+        """Our encoded payloads of the last rounds, kept for partners that pull after we moved on."""
         self.unreachable: dict[int, set[str]] = defaultdict(set)
         self.pull_hints: dict[int, set[str]] = defaultdict(set)
         self.stats = GossipStats()
@@ -245,8 +253,8 @@ class Gossip:
         await call.answer(ErrorCode.OK, pull=call.remote in self.unreachable.get(call.msg.round, ()))
 
     async def _on_pull(self, call: Call) -> None:
-        out = self.outgoing
-        if out is None or out.round != call.msg.round or call.remote not in out.peers:
+        out = self.outgoing.get(call.msg.round)
+        if out is None or call.remote not in out.peers:
             raise ProtocolViolation(ErrorCode.NOT_READY, f"no payload of round {call.msg.round} for you")
         await call.answer(ErrorCode.OK, **transfer_fields(out.xfer ^ 1, 0, 1, out.enc, out.parts))
         call.link.meter.direction = "send"
@@ -264,7 +272,33 @@ class Gossip:
         return max(1, min(self.streams, len(out.parts), math.ceil(raw / self.parallel_threshold)))
 
     async def push(self, peer: str, out: Outgoing) -> ErrorCode | str:
-        """Send our payload to one partner; an ErrorCode answer, or "unreachable" / "cut"."""
+        """Send our payload to one partner; an ErrorCode answer, or "unreachable" / "cut".
+
+        A refusal that can pass (the partner has not seen our heartbeat yet, or has not opened the round)
+        is retried a few times, a second apart.
+        """
+        outcome: ErrorCode | str = ErrorCode.OK
+        for attempt in range(PUSH_ATTEMPTS):
+            outcome = await self._push_once(peer, out)
+            if outcome not in (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_READY, "reset"):
+                break
+            if out.round < self.current_round - 1:
+                break
+            await asyncio.sleep(1.0 + attempt)
+        if outcome == "reset":
+            outcome = "cut"
+        if outcome == ErrorCode.OK:
+            self.stats.pushes_ok += 1
+        else:
+            self.stats.pushes_failed += 1
+            if outcome == "unreachable":
+                self.stats.unreachable += 1
+                self.unreachable[out.round].add(peer)
+            log.info("push to %s for round %d: %s", peer[-8:], out.round,
+                     outcome if isinstance(outcome, str) else outcome.name)
+        return outcome
+
+    async def _push_once(self, peer: str, out: Outgoing) -> ErrorCode | str:
         n = self._stream_count(out)
         lanes: list[list[int]] = [[] for _ in range(n)]
         load = [0] * n
@@ -278,8 +312,10 @@ class Gossip:
         async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool]:
             link = await open_link(self.p2p, peer, self.handler, self.limits, "send", n)
             self.server.meters.append(link.meter)
+            sent_here = [0]
             try:
                 parts = [out.parts[i] for i in idx]
+                await out.get(idx[0])  # the receiver's clock starts with our header: have data ready first
                 await link.write_header(push_header(self.run_id, out.round, self.me, out.xfer, k, n, out.enc, parts))
                 link.expect(sum(self.codec.max_part_bytes(p) for p in parts), n)
                 try:
@@ -287,11 +323,14 @@ class Gossip:
                         data = await out.get(i)
                         await link.write_part(data)
                         sent[0] += len(data)
-                except (ConnectionError, TransferCut):
+                        sent_here[0] += len(data)
+                except (ConnectionError, TransferCut) as e:
                     # The receiver may have answered early (a refusal) and closed: read its answer if it did.
                     with contextlib.suppress(Exception):
                         code, resp = await asyncio.wait_for(link.read_answer(), 2.0)
                         return code, bool(resp.get("pull"))
+                    if isinstance(e, ConnectionError) and sent_here[0] == 0:
+                        raise _EarlyReset(str(e)) from None
                     raise
                 code, resp = await link.read_answer(extra_s=self.limits.request_timeout_s)
                 return code, bool(resp.get("pull"))
@@ -304,11 +343,14 @@ class Gossip:
                                        return_exceptions=True)
         self.stats.bytes_sent += sent[0]
         outcome: ErrorCode | str = ErrorCode.OK
+        undelivered = sent[0]
         for r in results:
             if isinstance(r, asyncio.CancelledError):
                 raise r
             if isinstance(r, Unreachable):
                 outcome = "unreachable"
+            elif isinstance(r, _EarlyReset):
+                outcome = "reset" if outcome == ErrorCode.OK else outcome
             elif isinstance(r, TransferCut):
                 outcome = "cut" if outcome == ErrorCode.OK else outcome
             elif isinstance(r, BaseException):
@@ -320,18 +362,12 @@ class Gossip:
                     self.pull_hints[out.round].add(peer)
                 if code != ErrorCode.OK and outcome == ErrorCode.OK:
                     outcome = code
+        if outcome != ErrorCode.OK:
+            self.stats.bytes_undelivered += undelivered
         if outcome == ErrorCode.OK:
-            self.stats.pushes_ok += 1
             dt = max(1e-3, time.monotonic() - t0)
             rate = sent[0] / dt
             self.stats.up_Bps = rate if self.stats.up_Bps == 0 else 0.7 * self.stats.up_Bps + 0.3 * rate
-        else:
-            self.stats.pushes_failed += 1
-            if outcome == "unreachable":
-                self.stats.unreachable += 1
-                self.unreachable[out.round].add(peer)
-            log.info("push to %s for round %d: %s", peer[-8:], out.round,
-                     outcome if isinstance(outcome, str) else outcome.name)
         return outcome
 
     async def pull(self, peer: str, round_idx: int) -> bool:
@@ -373,9 +409,7 @@ class Gossip:
         peers = [p for p in peers if p not in self.banned and p != self.me]
         if not peers:
             return {}
-        if self.outgoing is not None:
-            self.outgoing.close()
-        out = self.outgoing = Outgoing(round_idx, payload, self.codec, self.server, peers)
+        out = self.outgoing[round_idx] = Outgoing(round_idx, payload, self.codec, self.server, peers)
         pushes = {p: asyncio.create_task(self.push(p, out)) for p in peers}
         waiting = set(peers)
         start = time.monotonic()
@@ -434,6 +468,8 @@ class Gossip:
             del self.mailbox[r]
         for key in [k for k in self.incoming if k[1] < round_idx - 1]:
             del self.incoming[key]
+        for r in [r for r in self.outgoing if r < round_idx - 1]:
+            self.outgoing.pop(r).close()
         for d in (self.unreachable, self.pull_hints):
             for r in [r for r in d if r < round_idx - 1]:
                 del d[r]

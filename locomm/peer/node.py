@@ -495,11 +495,13 @@ class Node:
                                  max_body_bytes=int(cfg.max_message_mb * 2**20), streams=cfg.streams_per_transfer,
                                  parallel_threshold=int(cfg.parallel_threshold_mb * 2**20), max_wait_s=cfg.max_wait_s)
             self.state_server = StateServer(self.run_id)
+            warm = asyncio.get_running_loop().run_in_executor(self.codec_pool, self.codec.warm_up)
             await self.rpc.add(self.gossip.service())
             await self.rpc.add(self.state_server.service())
             if self.spec.outer.algo == "diloco":
                 await self._start_averager()
             resumed = await self.compute(self._resume)
+            await warm
             if self.opts.initial_peers:
                 await self._enter_swarm(resumed)
             self.state_server.snapshot = await self.compute(lambda: Snapshot.take(self.round, self._state_tensors()))
@@ -539,7 +541,7 @@ class Node:
                             "final_loss": final_val, "bytes_sent": self._bytes_sent(),
                             "bytes_received": self._bytes_received(),
                             "exchanges_ok": g.exchanges_ok, "exchanges_failed": g.exchanges_failed,
-                            "pushes_ok": g.pushes_ok, "pushes_failed": g.pushes_failed, "pulls": g.pulls,
+                            "bytes_undelivered": g.bytes_undelivered, "pushes_ok": g.pushes_ok, "pushes_failed": g.pushes_failed, "pulls": g.pulls,
                             "unreachable": g.unreachable, "transfers_cut": self.rpc.stats.cut,
                             "faults": self.faults.total, "banned": len(self.faults.banned),
                             "banned_peers": sorted(self.faults.banned),

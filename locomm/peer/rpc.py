@@ -335,6 +335,7 @@ class RpcServer:
                 code, message = ErrorCode.INTERNAL, type(e).__name__
             if code != ErrorCode.OK:
                 self.stats.errors_answered[code.name] += 1
+                log.info("%s from %s answered %s: %s", service.name, remote[-8:], code.name, message)
             if call is None or not call.answered:
                 with contextlib.suppress(Exception):
                     await link.write_header(response_header(code, message))

@@ -1,0 +1,650 @@
+r"""Emulated consumer links on one Linux machine: network namespaces, a bridge, tc tbf shaping, NAT.
+
+Stdlib only (no torch), so tests and benchmarks can import it cheaply. Needs root, ``ip`` and ``tc``
+(iproute2); NAT hosts also need ``iptables``. :func:`available` says whether this machine can run it
+and, if not, why.
+
+Topology of one :class:`Lab`::
+
+          host ns "<run>-a"          hub ns "<run>-hub"              host ns "<run>-b"
+        +----------------+      +------------------------+      +----------------+
+        | eth0 10.77.X.10|======| v0 --+            +-- v1|======|eth0 10.77.X.11 |
+        +----------------+ veth |      \  br0  /         | veth +----------------+
+                                |       \     /          |
+          router ns "<run>-c-gw"|        +---+--- v2     |
+        +-------------------+   +------------||----------+
+        | eth0 10.77.X.12   |================++  (veth)
+        | lan0 192.168.2.1  |  MASQUERADE out eth0, FORWARD: lan->wan, wan->lan only ESTABLISHED
+        +--------||---------+
+        +--------||---------+
+        | eth0 192.168.2.2  |  host ns "<run>-c" (NATed), default route via 192.168.2.1
+        +-------------------+
+
+Every host (or a NATed host's router) is one veth pair away from the bridge. Veth pairs are
+created directly inside their two namespaces (``ip link add ... netns A type veth peer ... netns B``),
+so nothing is ever put in the root namespace: deleting a lab's namespaces removes everything it
+made, and concurrent labs cannot collide on interface names or addresses (every lab has its own
+bridge in its own hub namespace; the per-run X in 10.77.X.0/24 is only to tell runs apart in
+captures). Namespace names carry the creating process's pid (``lnl<pid>x<seq>-...``), which is how
+:func:`cleanup_stale` recognises leftovers of dead runs.
+
+Shaping (no ifb, no netem): tc's ``tbf`` on the EGRESS of each end of the host's veth pair.
+
+- the host-side end (in the host's namespace, or in its router's for a NATed host) shapes what the
+  host sends: its **upload**;
+- the hub-side end (in the hub namespace, where the bridge forwards frames *to* the host) shapes
+  what the host receives: its **download**.
+
+A flow from A to B thus crosses A's upload and then B's download, as on the internet with an
+uncongested core. tbf parameters: ``burst = max(rate / 100 Hz, 64 KiB)`` (tbf needs at least
+rate/HZ, and a veth hands tbf TSO/GSO super-packets of up to 64 KiB, which must fit one burst or
+tbf has to re-segment them), ``latency`` 50 ms of queue (a consumer modem's buffer; TCP then fills
+the link instead of losing packets to a tiny queue). GSO/TSO stay on (no ethtool needed).
+Measured on this project's 2-core machine with :func:`measure_tcp` (one TCP flow, 4-16 MB, against
+an unshaped host; upload / download): 5mbit 4.9 / 4.9, 20mbit 19.2-19.5 / 19.2-19.4, 80mbit
+77.0-77.7 / 76.0-77.5, 300mbit 294 / 294, 1gbit 1034 / 1035 Mbit/s (the burst shows at this rate),
+unshaped 27-30 Gbit/s. One flow's goodput is ~96% of the rate because tbf counts Ethernet frames
+(1514 bytes carry 1448 of payload).
+There is no added propagation delay (netem is not assumed to be available); RTTs are the
+machine's own (tens of microseconds) plus queueing in tbf.
+
+Cleanup is unconditional: :meth:`Lab.close` (run by ``__exit__``, on SIGINT/SIGTERM through the
+handlers the lab installs, and by ``atexit``) stops what the lab started (the stop signal to each
+process group, ``grace_s`` to exit, then SIGKILL), kills whatever is still inside the namespaces
+(``ip netns pids``) and deletes them. After cleaning up, a signal handler chains to the previous
+handler (so SIGINT still raises KeyboardInterrupt; SIGTERM with no Python handler raises
+``SystemExit(143)``). A second Ctrl-C during the grace period skips the rest of it.
+
+    from locomm import netlab
+    ok, why = netlab.available()
+    with netlab.Lab() as lab:
+        a = lab.add_host("a", rate="20mbit")            # 20 Mbit/s up and down
+        b = lab.add_host("b", up="10mbit", down="50mbit")
+        c = lab.add_host("c", rate="20mbit", nat=True)  # behind a NAT router
+        p = b.popen(["python3", "-m", "http.server", "--bind", b.ip, "8000"])
+        a.run(["curl", f"http://{b.ip}:8000/"])
+        print(netlab.measure_tcp(a, b, 4_000_000) / 1e6, "Mbit/s")
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+PREFIX = "lnl"
+"""Namespace names start with this, then the creating pid: ``lnl<pid>x<seq>-<host>``."""
+LATENCY_MS = 50.0
+"""tbf queue size, in milliseconds at the shaped rate."""
+MIN_BURST = 64 * 1024
+"""Smallest tbf burst (bytes): one TSO/GSO super-packet."""
+MAX_HOSTS = 190
+
+_NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(/s)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_seq = 0
+_seq_lock = threading.Lock()
+_live_runs: set[str] = set()
+_probe_cache: dict[bool, tuple[bool, str]] = {}
+
+
+class NetlabError(RuntimeError):
+    """A command that builds the lab failed (the message holds its stderr)."""
+
+
+class NetlabUnavailable(NetlabError):
+    """This machine cannot build a lab (not root, no iproute2, no namespaces...)."""
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def parse_rate(rate: str | float | int | None) -> int | None:
+    """'80mbit', '1gbit', '500kbit', 2e7 -> bits per second (int); None / 'none' / 0 -> None (unshaped).
+
+    Units are bits, as in ``locomm-peer simulate --link`` ('mbps' is read as megabits, unlike tc).
+    """
+    if rate is None:
+        return None
+    if isinstance(rate, (int, float)):
+        return int(rate) if rate > 0 else None
+    if rate.strip().lower() in ("none", "", "0", "unshaped", "off"):
+        return None
+    m = _RATE_RE.match(rate)
+    if not m:
+        raise ValueError(f"cannot read rate {rate!r}; write e.g. 80mbit, 1gbit, 500kbit or none")
+    bps = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if bps < 8000:
+        raise ValueError(f"rate {rate!r} is below 8 kbit/s")
+    return bps
+
+
+def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise NetlabError(f"{' '.join(argv)}: exit {p.returncode}: {(p.stderr or p.stdout).strip()}")
+    return p
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_netns() -> list[str]:
+    """Names of the named network namespaces (``ip netns list``)."""
+    p = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
+
+
+def _netns_pids(ns: str) -> list[int]:
+    p = _run(["ip", "netns", "pids", ns], check=False)
+    return [int(x) for x in p.stdout.split() if x.isdigit()]
+
+
+def _kill_netns(ns: str) -> None:
+    """SIGKILL every process inside ``ns``, then delete it (idempotent)."""
+    for _ in range(3):
+        pids = _netns_pids(ns)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    if ns in list_netns():
+        _run(["ip", "netns", "del", ns], check=False)
+
+
+def cleanup_stale(prefix: str = PREFIX) -> list[str]:
+    """Delete namespaces left by dead runs: ``<prefix><pid>x<seq>-*`` whose pid no longer exists
+    (or, for this process's own pid, whose lab is no longer open). Returns the names removed."""
+    removed = []
+    pat = re.compile(rf"^{re.escape(prefix)}(\d+)x(\d+)-")
+    for ns in list_netns():
+        m = pat.match(ns)
+        if not m:
+            continue
+        pid, run = int(m.group(1)), f"{prefix}{m.group(1)}x{m.group(2)}"
+        stale = (run not in _live_runs) if pid == os.getpid() else not _pid_alive(pid)
+        if stale:
+            _kill_netns(ns)
+            removed.append(ns)
+    return removed
+
+
+def available(nat: bool = False) -> tuple[bool, str]:
+    """(True, "") when this machine can build labs (NAT hosts too with ``nat=True``), else (False, why).
+
+    Checks root, the tools, then really builds a throwaway namespace with a veth pair and a tbf
+    qdisc (and a MASQUERADE rule for ``nat``), since containers often lack the capabilities.
+    """
+    if nat in _probe_cache:
+        return _probe_cache[nat]
+    result = _probe(nat)
+    _probe_cache[nat] = result
+    return result
+
+
+def _probe(nat: bool) -> tuple[bool, str]:
+    if not sys.platform.startswith("linux"):
+        return False, f"network namespaces need Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return False, "needs root (network namespaces, tc, iptables); run as root"
+    tools = ["ip", "tc"] + (["iptables"] if nat else [])
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        return False, f"missing tool(s): {', '.join(missing)} (apt-get install iproute2" + (" iptables)" if nat else ")")
+    ns = f"{PREFIX}{os.getpid()}x{_next_seq()}-probe"
+    try:
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
+        _run(["tc", "-n", ns, "qdisc", "replace", "dev", "p0", "root", "tbf", "rate", "1mbit", "burst", "64kb",
+              "latency", "50ms"])
+        if nat:
+            _run(["ip", "netns", "exec", ns, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "p0", "-j",
+                  "MASQUERADE"])
+            _run(["ip", "netns", "exec", ns, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate",
+                  "ESTABLISHED,RELATED", "-j", "ACCEPT"])
+    except (NetlabError, OSError, subprocess.TimeoutExpired) as e:
+        return False, f"cannot build a namespace lab here: {e}"
+    finally:
+        with contextlib.suppress(Exception):
+            _run(["ip", "netns", "del", ns], check=False)
+    return True, ""
+
+
+def _next_seq() -> int:
+    global _seq
+    with _seq_lock:
+        _seq += 1
+        return _seq
+
+
+# --------------------------------------------------------------------------------- hosts
+
+
+@dataclass
+class Host:
+    """One emulated machine: a namespace one (shaped) veth pair away from the lab's bridge."""
+
+    lab: "Lab"
+    name: str
+    index: int
+    netns: str
+    ip: str
+    """This host's own address (a private 192.168.* one for a NATed host)."""
+    public_ip: str
+    """The address others see its connections come from (its router's, for a NATed host)."""
+    nat: bool = False
+    router_netns: str | None = None
+    up_bps: int | None = None
+    down_bps: int | None = None
+    up_dev: tuple[str, str] = ("", "")
+    """(namespace, interface) whose egress is this host's upload."""
+    down_dev: tuple[str, str] = ("", "")
+    """(namespace, interface) whose egress is this host's download."""
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def argv(self, cmd: Sequence[str] | str) -> list[str]:
+        """``cmd`` prefixed to run inside this host's namespace."""
+        if isinstance(cmd, str):
+            cmd = ["sh", "-c", cmd]
+        return ["ip", "netns", "exec", self.netns, *cmd]
+
+    def popen(self, cmd: Sequence[str] | str, **kw: Any) -> subprocess.Popen:
+        """Start ``cmd`` in this namespace (its own session/process group unless told otherwise);
+        the lab stops it on exit. Keyword arguments go to :class:`subprocess.Popen`."""
+        return self.lab._popen(self, cmd, **kw)
+
+    def run(self, cmd: Sequence[str] | str, *, check: bool = True, timeout: float = 60.0,
+            **kw: Any) -> subprocess.CompletedProcess:
+        """Run ``cmd`` here to completion (output captured as text unless told otherwise)."""
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        kw.setdefault("stdin", subprocess.DEVNULL)
+        return subprocess.run(self.argv(cmd), check=check, timeout=timeout, **kw)
+
+    def shape(self, *, up: str | int | None = None, down: str | int | None = None) -> None:
+        """(Re)set this host's upload and download rates (None: unshaped)."""
+        self.up_bps, self.down_bps = parse_rate(up), parse_rate(down)
+        self.lab._shape(self.up_dev, self.up_bps)
+        self.lab._shape(self.down_dev, self.down_bps)
+
+    def __repr__(self) -> str:
+        rate = lambda b: "unshaped" if b is None else f"{b / 1e6:g}mbit"  # noqa: E731
+        return (f"Host({self.name!r}, {self.ip}{' via NAT ' + self.public_ip if self.nat else ''}, "
+                f"up {rate(self.up_bps)}, down {rate(self.down_bps)})")
+
+
+# ----------------------------------------------------------------------------------- lab
+
+
+class Lab:
+    """A set of emulated hosts on one bridge; a context manager that always cleans up.
+
+    ``grace_s``: how long processes get to exit after ``stop_signal`` before SIGKILL.
+    ``signals``: install SIGINT/SIGTERM handlers (main thread only) that clean up, then chain.
+    """
+
+    def __init__(self, *, prefix: str = PREFIX, grace_s: float = 5.0, stop_signal: int = signal.SIGINT,
+                 latency_ms: float = LATENCY_MS, signals: bool = True, clean_stale: bool = True) -> None:
+        if not re.fullmatch(r"[a-z]{1,4}", prefix):
+            raise ValueError(f"prefix must be 1-4 lowercase letters, got {prefix!r}")
+        self.prefix = prefix
+        self.run_name = f"{prefix}{os.getpid()}x{_next_seq()}"
+        self.subnet = f"10.77.{(os.getpid() * 7 + _seq) % 250 + 1}"
+        self.hub = f"{self.run_name}-hub"
+        self.grace_s = grace_s
+        self.stop_signal = stop_signal
+        self.latency_ms = latency_ms
+        self.hosts: dict[str, Host] = {}
+        self._netns: list[str] = []  # recorded BEFORE each is created, so a half-built lab is cleaned too
+        self._procs: list[subprocess.Popen] = []
+        self._signals = signals
+        self._clean_stale = clean_stale
+        self._old_handlers: dict[int, Any] = {}
+        self._open = False
+        self._closing = False
+        self._hurry = threading.Event()
+        self._lock = threading.RLock()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> "Lab":
+        self.open()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def open(self) -> None:
+        ok, why = available()
+        if not ok:
+            raise NetlabUnavailable(why)
+        if self._clean_stale:
+            cleanup_stale(self.prefix)
+        _live_runs.add(self.run_name)
+        self._open = True
+        atexit.register(self.close)
+        if self._signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            self._add_netns(self.hub)
+            self._ip(self.hub, "link", "add", "br0", "type", "bridge")
+            self._ip(self.hub, "link", "set", "br0", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._closing:  # a second Ctrl-C while stopping: skip the rest of the grace period
+            self._hurry.set()
+            return
+        self.close()
+        old = self._old_handlers.get(signum, signal.SIG_DFL)
+        if callable(old):
+            old(signum, frame)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def close(self) -> None:
+        """Stop every process the lab started and delete every namespace it made (idempotent)."""
+        with self._lock:
+            if not self._open or self._closing:
+                return
+            self._closing = True
+            try:
+                self._stop_procs()
+                for ns in reversed(self._netns):
+                    with contextlib.suppress(Exception):
+                        _kill_netns(ns)
+            finally:
+                self._open = False
+                self._closing = False
+                _live_runs.discard(self.run_name)
+                with contextlib.suppress(Exception):
+                    atexit.unregister(self.close)
+                if threading.current_thread() is threading.main_thread():
+                    for sig, old in self._old_handlers.items():
+                        with contextlib.suppress(Exception):
+                            if signal.getsignal(sig) == self._on_signal:
+                                signal.signal(sig, old)
+                self._old_handlers.clear()
+
+    def _stop_procs(self) -> None:
+        alive = [p for p in self._procs if p.poll() is None]
+        for p in alive:
+            _signal_proc(p, self.stop_signal)
+        deadline = time.monotonic() + self.grace_s
+        while alive and time.monotonic() < deadline and not self._hurry.is_set():
+            alive = [p for p in alive if p.poll() is None]
+            if alive:
+                time.sleep(0.05)
+        for p in self._procs:  # whatever is left in each group (a child that ignored the signal)
+            _signal_proc(p, signal.SIGKILL)
+        for p in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+            for f in (p.stdin, p.stdout, p.stderr):  # pipes the caller asked for
+                if f is not None:
+                    with contextlib.suppress(Exception):
+                        f.close()
+
+    @property
+    def namespaces(self) -> list[str]:
+        return list(self._netns)
+
+    # -- building -----------------------------------------------------------------------------
+
+    def add_host(self, name: str | None = None, *, rate: str | int | None = None, up: str | int | None = None,
+                 down: str | int | None = None, nat: bool = False) -> Host:
+        """A new host on the bridge. ``rate`` sets upload and download alike; ``up``/``down`` override it.
+        ``nat``: the host sits in a private subnet behind its own router (it can dial out, nobody in)."""
+        if not self._open:
+            raise NetlabError("the lab is not open (use it as a context manager)")
+        i = len(self.hosts)
+        name = name or f"h{i}"
+        if not _NAME_RE.match(name):
+            raise ValueError(f"host name must be 1-12 of [a-z0-9], got {name!r}")
+        if name in self.hosts:
+            raise ValueError(f"host {name!r} exists")
+        if i >= MAX_HOSTS:
+            raise ValueError(f"at most {MAX_HOSTS} hosts per lab")
+        if nat:
+            ok, why = available(nat=True)
+            if not ok:
+                raise NetlabUnavailable(why)
+        up_bps = parse_rate(up if up is not None else rate)
+        down_bps = parse_rate(down if down is not None else rate)
+        ns = f"{self.run_name}-{name}"
+        wan_ip = f"{self.subnet}.{10 + i}"
+        hub_if = f"v{i}"
+        edge = f"{ns}-gw" if nat else ns  # the namespace whose eth0 sits on the bridge
+        self._add_netns(ns)
+        if nat:
+            self._add_netns(edge)
+        self._ip(self.hub, "link", "add", hub_if, "type", "veth", "peer", "name", "eth0", "netns", edge)
+        self._ip(self.hub, "link", "set", hub_if, "master", "br0", "up")
+        self._ip(edge, "addr", "add", f"{wan_ip}/24", "dev", "eth0")
+        self._ip(edge, "link", "set", "eth0", "up")
+        if nat:
+            lan = f"192.168.{i}"
+            self._ip(edge, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._ip(edge, "addr", "add", f"{lan}.1/24", "dev", "lan0")
+            self._ip(edge, "link", "set", "lan0", "up")
+            self._ip(ns, "addr", "add", f"{lan}.2/24", "dev", "eth0")
+            self._ip(ns, "link", "set", "eth0", "up")
+            self._ip(ns, "route", "add", "default", "via", f"{lan}.1")
+            ex = ["ip", "netns", "exec", edge]
+            _run(ex + ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+            _run(ex + ["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE"])
+            _run(ex + ["iptables", "-P", "FORWARD", "DROP"])
+            _run(ex + ["iptables", "-A", "FORWARD", "-i", "lan0", "-o", "eth0", "-j", "ACCEPT"])
+            _run(ex + ["iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack", "--ctstate",
+                       "ESTABLISHED,RELATED", "-j", "ACCEPT"])
+            host_ip = f"{lan}.2"
+        else:
+            host_ip = wan_ip
+        host = Host(lab=self, name=name, index=i, netns=ns, ip=host_ip, public_ip=wan_ip, nat=nat,
+                    router_netns=edge if nat else None, up_dev=(edge, "eth0"), down_dev=(self.hub, hub_if))
+        host.shape(up=up_bps, down=down_bps)
+        self.hosts[name] = host
+        return host
+
+    def _add_netns(self, ns: str) -> None:
+        self._netns.append(ns)
+        _run(["ip", "netns", "add", ns])
+        self._ip(ns, "link", "set", "lo", "up")
+
+    def _ip(self, ns: str, *args: str) -> None:
+        _run(["ip", "-n", ns, *args])
+
+    def _shape(self, dev: tuple[str, str], bps: int | None) -> None:
+        ns, ifname = dev
+        if bps is None:
+            _run(["tc", "-n", ns, "qdisc", "del", "dev", ifname, "root"], check=False)
+            return
+        burst = max(bps // 8 // 100, MIN_BURST)
+        _run(["tc", "-n", ns, "qdisc", "replace", "dev", ifname, "root", "tbf", "rate", f"{bps}bit",
+              "burst", str(burst), "latency", f"{self.latency_ms:g}ms"])
+
+    def _popen(self, host: Host, cmd: Sequence[str] | str, **kw: Any) -> subprocess.Popen:
+        if not self._open or self._closing:
+            raise NetlabError("the lab is closed")
+        kw.setdefault("stdin", subprocess.DEVNULL)
+        kw.setdefault("start_new_session", True)
+        with self._lock:
+            p = subprocess.Popen(host.argv(cmd), **kw)
+            p._netlab_group = bool(kw["start_new_session"])  # type: ignore[attr-defined]
+            self._procs.append(p)
+            host.procs.append(p)
+        return p
+
+
+def _signal_proc(p: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        if getattr(p, "_netlab_group", False):
+            os.killpg(p.pid, sig)
+        elif p.poll() is None:
+            p.send_signal(sig)
+
+
+# ------------------------------------------------------------------------------ measuring
+
+_XFER = r"""
+import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)
+import json, socket, sys, time
+role, action, host, port, nbytes, timeout = sys.argv[1:7]
+port, nbytes, timeout = int(port), int(nbytes), float(timeout)
+if role == "listen":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port)); s.listen(8); s.settimeout(timeout)
+    print(s.getsockname()[1], flush=True)
+    c, _ = s.accept()
+else:
+    c = socket.create_connection((host, port), timeout=timeout)
+c.settimeout(timeout)
+if action == "send":
+    left, chunk = nbytes, b"\0" * (1 << 20)
+    while left > 0:
+        k = min(left, len(chunk)); c.sendall(chunk[:k]); left -= k
+    c.shutdown(socket.SHUT_WR); c.recv(1)
+else:
+    n, t0, buf = 0, None, bytearray(1 << 20)
+    while True:
+        k = c.recv_into(buf)
+        if not k:
+            break
+        if t0 is None:
+            t0 = time.perf_counter()
+        n += k
+    t1 = time.perf_counter()
+    print(json.dumps({"bytes": n, "seconds": t1 - (t0 or t1)}), flush=True)
+c.close()
+"""
+
+_ECHO = r"""
+import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(8)
+print(s.getsockname()[1], flush=True)
+while True:
+    c, addr = s.accept()
+    c.sendall(("hello " + addr[0] + "\n").encode()); c.close()
+    print(addr[0], flush=True)
+"""
+
+_PROBE = r"""
+import socket, sys
+try:
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+    print(c.recv(200).decode().strip() or "connected")
+except OSError as e:
+    print("FAILED", type(e).__name__, e)
+"""
+
+
+def _py(script: str, *args: Any) -> list[str]:
+    return [sys.executable, "-I", "-S", "-c", script, *map(str, args)]
+
+
+def measure_tcp(src: Host, dst: Host, nbytes: int = 4_000_000, *, timeout: float = 60.0,
+                dialer: str = "src") -> float:
+    """Bits per second of one TCP flow carrying ``nbytes`` from ``src`` to ``dst``: ``src``'s upload and
+    ``dst``'s download. Timed at the receiver from its first byte to the end (start-up excluded).
+
+    ``dialer``: who opens the connection, "src" (the sender; ``dst`` must be reachable) or "dst" (the
+    receiver dials the sender: how a NATed host's download is measured).
+    """
+    if dialer not in ("src", "dst"):
+        raise ValueError(f"dialer must be 'src' or 'dst', got {dialer!r}")
+    listener, dialing = (dst, src) if dialer == "src" else (src, dst)
+    l_action, d_action = ("recv", "send") if dialer == "src" else ("send", "recv")
+    server = listener.popen(_py(_XFER, "listen", l_action, "0.0.0.0", 0, nbytes, timeout), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(_readline(server, timeout))
+        client = dialing.run(_py(_XFER, "connect", d_action, listener.ip, port, nbytes, timeout),
+                             timeout=timeout + 5, check=False)
+        if client.returncode != 0:
+            raise NetlabError(f"measure_tcp {src.name}->{dst.name}: {client.stderr.strip()[-300:]}")
+        out, _ = server.communicate(timeout=timeout)
+        text = out if l_action == "recv" else client.stdout
+        r = json.loads(text.strip().splitlines()[-1])
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    if r["bytes"] != nbytes or r["seconds"] <= 0:
+        raise NetlabError(f"measure_tcp {src.name}->{dst.name}: got {r['bytes']} of {nbytes} bytes")
+    return 8 * r["bytes"] / r["seconds"]
+
+
+def _readline(p: subprocess.Popen, timeout: float) -> str:
+    """One stdout line from ``p`` within ``timeout`` (a thread reads it: pipes have no timeout)."""
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(p.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    t.start()
+    t.join(timeout)
+    if not box or not box[0].strip():
+        raise NetlabError(f"no output from {p.args!r} within {timeout:g} s")
+    return box[0].strip()
+
+
+def tcp_listen(host: Host, port: int = 0) -> tuple[subprocess.Popen, int]:
+    """A TCP server in ``host`` that answers each connection with ``hello <client ip>`` and prints the
+    client's ip on its stdout (one line each). Returns (process, port); the lab stops it."""
+    p = host.popen(_py(_ECHO, "0.0.0.0", port), stdout=subprocess.PIPE, text=True)
+    return p, int(_readline(p, 30.0))
+
+
+def tcp_probe(src: Host, ip: str, port: int, timeout: float = 3.0) -> str | None:
+    """Connect from ``src`` to ip:port; the server's greeting (``hello <ip seen>``), or None on failure."""
+    out = src.run(_py(_PROBE, ip, port, timeout), timeout=timeout + 15, check=False).stdout.strip()
+    return None if not out or out.startswith("FAILED") else out
+
+
+def ping(src: Host, ip: str, timeout: float = 5.0) -> bool:
+    """Is ``ip`` reachable from ``src``: ``ping -c1`` when ping exists, else a TCP probe to port 9 (a refusal is an answer)."""
+    if shutil.which("ping"):
+        return src.run(["ping", "-c", "1", "-W", str(max(1, int(timeout))), ip], check=False,
+                       timeout=timeout + 5).returncode == 0
+    out = src.run(_py(_PROBE, ip, 9, timeout), timeout=timeout + 15, check=False).stdout
+    return "ConnectionRefused" in out  # a refusal proves the host answered
+
+
+def _self_test() -> None:  # python -m locomm.netlab: build two shaped hosts and measure them
+    ok, why = available(nat=True)
+    if not ok:
+        print(f"netlab unavailable: {why}")
+        sys.exit(1)
+    with Lab() as lab:
+        a = lab.add_host("a", rate="20mbit")
+        b = lab.add_host("b")
+        print(a, b, sep="\n")
+        print(f"a upload   {measure_tcp(a, b) / 1e6:.1f} Mbit/s")
+        print(f"a download {measure_tcp(b, a) / 1e6:.1f} Mbit/s")
+
+
+if __name__ == "__main__":
+    _self_test()

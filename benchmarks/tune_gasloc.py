@@ -1,6 +1,6 @@
 """Tune GASLoC's eta (outer lr), a (gossip step) and gamma (momentum) on a small simulated run.
 
-ALGORITHMS.md §3 leaves GASLoC's coefficients open ("tune on a small run and record
+docs/algorithms.md §3 leaves GASLoC's coefficients open ("tune on a small run and record
 the chosen defaults with their evidence"). This sweeps them on 4 workers, nano,
 H=20, 10 rounds, data/init seed 1 (a different seed and size from
 benchmarks/algorithms.py, so the benchmark is not the tuning set), beside DiLoCo

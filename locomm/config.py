@@ -147,7 +147,7 @@ class InnerOptimConfig:
     """The inner (local) optimizer and its schedule."""
 
     name: str = "adamw"
-    """adamw, adam (no weight decay; NoLoCo's inner optimizer) or adams (ALGORITHMS.md §5)."""
+    """adamw, adam (no weight decay; NoLoCo's inner optimizer) or adams (docs/algorithms.md §5)."""
     lr: float = 3e-3
     """Peak learning rate."""
     beta1: float = 0.9
@@ -180,7 +180,7 @@ GASLOC_TOPOLOGIES = ("matching", "ring", "kpeers", "complete")
 
 @dataclass(frozen=True, kw_only=True)
 class OuterConfig:
-    """The outer algorithm (ALGORITHMS.md §1-4). Defaults are the documented ones."""
+    """The outer algorithm (docs/algorithms.md §1-4). Defaults are the documented ones."""
 
     algo: str = "none"
     """none (single node), ddp, diloco, noloco, gasloc or sparseloco."""

@@ -109,7 +109,7 @@ def test_constant_model_and_empirical_modes_are_chosen() -> None:
 
 
 def test_ratio_near_entropy_bound_bf16() -> None:
-    """bf16 N(0, 0.02): within 2% of 16 / (8 + H(exponent)) (ALGORITHMS.md §6)."""
+    """bf16 N(0, 0.02): within 2% of 16 / (8 + H(exponent)) (docs/algorithms.md §6)."""
     x = (torch.randn(1 << 21, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
     data = assert_roundtrip(LosslessCodec(), x)
     e = (x.view(torch.int16).numpy().view(np.uint16) >> 7) & 0xFF

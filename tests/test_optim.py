@@ -7,7 +7,7 @@ from locomm.optim import AdamS, cosine_with_warmup
 
 
 def adams_reference(theta, grads, lr, b1, b2, eps, wd):
-    """ALGORITHMS.md §5, line by line, on plain tensors."""
+    """docs/algorithms.md §5, line by line, on plain tensors."""
     theta = theta.clone()
     m = torch.zeros_like(theta)
     for t, g in enumerate(grads, start=1):

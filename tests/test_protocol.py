@@ -1,4 +1,4 @@
-"""Each outer rule against an independent few-line reference of its equations (ALGORITHMS.md §1-4)."""
+"""Each outer rule against an independent few-line reference of its equations (docs/algorithms.md §1-4)."""
 
 import pytest
 import torch

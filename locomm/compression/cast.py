@@ -2,7 +2,7 @@
 before ``lossless`` (``bf16+lossless``).
 
 ``decode`` returns the tensor in the cast dtype; the receiver accumulates in
-fp32 (``acc += t.float()``), as ALGORITHMS.md §8 says.
+fp32 (``acc += t.float()``), as docs/algorithms.md §8 says.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``scape``: SCAPE's first-moment masks with a sparse exchange format (ALGORITHMS.md §5).
+"""``scape``: SCAPE's first-moment masks with a sparse exchange format (docs/algorithms.md §5).
 
 Usage per training step ``t``::
 

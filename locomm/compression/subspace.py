@@ -1,4 +1,4 @@
-"""``subspace``: Protocol Models' projection of pipeline activations (ALGORITHMS.md §7).
+"""``subspace``: Protocol Models' projection of pipeline activations (docs/algorithms.md §7).
 
 Every peer derives the same fixed objects from a seed, on CPU:
 

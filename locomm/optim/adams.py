@@ -3,7 +3,7 @@
 The denominator is rebuilt each step from the previous first moment and the
 current gradient, ``v = b2 * mh^2 + (1 - b2) * g^2`` with ``mh`` the
 bias-corrected previous momentum, so the optimizer keeps one state tensor per
-parameter instead of two. Update rule as ALGORITHMS.md §5 gives it:
+parameter instead of two. Update rule as docs/algorithms.md §5 gives it:
 
     theta = (1 - lr*wd) * theta
     mh    = m_prev / (1 - b1^t)

@@ -1,6 +1,6 @@
 """GASLoC (Cagnasso, Belilovsky, Oyallon 2026, arXiv 2606.11081): gossip + accelerated outer step.
 
-Reconstructed from secondary summaries (ALGORITHMS.md §3), not checked against the paper:
+Reconstructed from secondary summaries (docs/algorithms.md §3), not checked against the paper:
 
     g_i     = theta_i - phi_i                            # drift over this round's inner steps
     y_i     = phi_i + eta*g_i                            # outer-proposed point

@@ -4,7 +4,7 @@ All functions are pure: (seed, round index, sorted members) in, groups or graphs
 A worker that knows the round's membership (from the DHT heartbeats, or the
 simulator) computes the whole round's communication pattern locally.
 
-- NoLoCo groups (ALGORITHMS.md §2): ``perm = Permutation(seed=round+1)`` of the
+- NoLoCo groups (docs/algorithms.md §2): ``perm = Permutation(seed=round+1)`` of the
   members; group j = {perm[j], perm[j + G], perm[j + 2G], ...} with
   G = max(1, N // n) groups. When n does not divide N, some groups get n + 1
   members, so nobody is left alone.

@@ -8,7 +8,7 @@
     phi    = phi - alpha*D ;  theta_r = phi     # no outer momentum
 
 The payload is the codec's bytes, so the bytes on the wire are exactly what the
-codec produced. Equations from secondary summaries (ALGORITHMS.md §4).
+codec produced. Equations from secondary summaries (docs/algorithms.md §4).
 """
 
 from __future__ import annotations

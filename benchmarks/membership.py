@@ -1,0 +1,115 @@
+"""How often do two peers derive different groups? A 6-peer loopback swarm with churn.
+
+Every peer logs, per round, the members it derived (``member_ids`` in its "round" events).
+Groups are a seeded function of the member list, so two peers disagree on a round's groups
+exactly when they logged different member lists for it. The run: 6 real `locomm-peer join`
+processes (nano preset) on loopback; after ``--kill-at`` rounds one peer is SIGKILLed and a
+new one joins; the swarm runs to ``--rounds``. Prints JSON (also to ``--out``):
+
+    python benchmarks/membership.py --rounds 40 --out benchmarks/results/membership.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from locomm.config import RunSpec
+
+
+def read(path: Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--kill-at", type=int, default=12)
+    ap.add_argument("--join-at", type=int, default=20)
+    ap.add_argument("--inner-steps", type=int, default=10)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="locomm-membership-"))
+    spec = (RunSpec.preset("nano").replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
+            .replace("outer", algo="noloco", inner_steps=args.inner_steps)
+            .replace("train", steps=args.rounds * args.inner_steps, eval_batches=2, eval_interval=0)
+            .replace("network", heartbeat_interval_s=1.0, heartbeat_ttl_s=6.0, stall_timeout_s=5.0))
+    cfg = tmp / "run.toml"
+    spec.save(cfg)
+    procs: dict[str, subprocess.Popen] = {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(name: str, initial: str | None, wait: int) -> None:
+        cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(cfg), "--device", "cpu", "-q",
+               "--log-file", str(tmp / f"{name}.jsonl"), "--until-round", str(args.rounds),
+               "--announce-file", str(tmp / f"{name}.addr"), "--wait-for-peers", str(wait)]
+        if initial:
+            cmd += ["--initial-peers", initial]
+        procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.err", "w"),
+                                       stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+
+    def rounds(name: str) -> int:
+        ev = [e for e in read(tmp / f"{name}.jsonl") if e.get("event") == "round"]
+        return ev[-1]["round"] if ev else 0
+
+    t0 = time.time()
+    try:
+        launch("p0", None, args.peers)
+        while not (tmp / "p0.addr").exists() or not (tmp / "p0.addr").read_text().strip():
+            time.sleep(0.2)
+        boot = (tmp / "p0.addr").read_text().split()[0]
+        for i in range(1, args.peers):
+            launch(f"p{i}", boot, args.peers)
+        killed = joined = False
+        while any(p.poll() is None for p in procs.values()):
+            r = rounds("p0")
+            if not killed and r >= args.kill_at:
+                os.killpg(procs[f"p{args.peers - 1}"].pid, signal.SIGKILL)
+                killed = True
+            if killed and not joined and r >= args.join_at:
+                launch("joiner", boot, 0)
+                joined = True
+            if time.time() - t0 > 900:
+                break
+            time.sleep(0.5)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    by_round: dict[int, list[tuple[str, tuple[str, ...]]]] = defaultdict(list)
+    for name in procs:
+        for e in read(tmp / f"{name}.jsonl"):
+            if e.get("event") == "round" and "member_ids" in e:
+                # The event is written after the round counter moved on: it describes round - 1.
+                by_round[e["round"] - 1].append((name, tuple(e["member_ids"])))
+    disagree = [r for r, views in by_round.items() if len({v for _, v in views}) > 1]
+    result = {"peers": args.peers, "rounds": args.rounds, "kill_at": args.kill_at, "join_at": args.join_at,
+              "rounds_observed": len(by_round), "rounds_with_disagreement": len(disagree),
+              "disagreement_rate": len(disagree) / max(1, len(by_round)), "disagreeing_rounds": sorted(disagree),
+              "wall_s": time.time() - t0,
+              "finished": {n: next((e for e in read(tmp / f"{n}.jsonl") if e.get("event") == "finished"), {})
+                           .get("exchanges_failed") for n in procs}}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

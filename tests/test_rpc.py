@@ -25,7 +25,7 @@ from locomm.compression.payload import MIN_PART_ELEMS, PayloadCodec
 from locomm.peer.gossip import Faults, Gossip
 from locomm.peer.rpc import Limits, Link, Meter, RpcServer, Service, TransferCut
 from locomm.protocol.messages import (FAULT_CODES, HEADER_LEN, MAX_HEADER_BYTES, PART_LEN, ErrorCode,
-                                      ProtocolViolation, envelope, pack_frame, push_header, validate_transfer)
+                                      ProtocolViolation, envelope, pack_frame, push_header)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,7 +138,7 @@ class Harness:
 
         ender = asyncio.create_task(end_when_answered()) if eof_after_answer and not eof else None
         try:
-            await asyncio.wait_for(self.server._serve(service or self.gossip.service(), remote, reader, writer), 60)
+            await asyncio.wait_for(self.server._serve(service or self.gossip.service(), remote, reader, writer), 30)
         finally:
             if ender is not None:
                 ender.cancel()
@@ -370,6 +370,18 @@ def test_stream_ending_mid_body_is_not_answered_and_not_a_fault(pool):
     run(body())
 
 
+@pytest.mark.parametrize("cut", ["empty_stream", "inside_prefix", "inside_header"])
+def test_stream_ending_inside_the_header_is_not_a_fault(pool, cut):
+    async def body():
+        h = Harness(pool)
+        frame = push_frame(h.codec)
+        data = {"empty_stream": b"", "inside_prefix": frame[:2], "inside_header": frame[:len(frame) // 2]}[cut]
+        await h.request(data)
+        assert h.fault_log == []
+
+    run(body())
+
+
 def test_unauthorized_sender_is_refused_not_a_fault(pool):
     calls = []
 
@@ -466,8 +478,6 @@ def test_fault_codes_are_exactly_the_violations():
                               ErrorCode.STALE_ROUND, ErrorCode.INTERNAL, ErrorCode.OK}
 
 
-@pytest.mark.xfail(strict=True, reason="Gossip.exchange only pulls when no Incoming exists for the partner; a "
-                   "stalled partial transfer (kept after a cut) blocks the pull fallback for the whole round")
 def test_a_stalled_partial_transfer_does_not_block_the_pull(pool):
     async def body():
         h = Harness(pool, Limits(request_timeout_s=10.0, stall_timeout_s=0.3, min_rate_Bps=1e6))
@@ -517,8 +527,8 @@ def _link(limits: Limits) -> tuple[asyncio.StreamReader, Link]:
 
 
 def test_slow_but_moving_transfer_is_not_cut():
-    """15 chunks 0.1 s apart: 1.5 s in all, three times the stall timeout, yet never 0.5 s without a byte."""
-    limits = Limits(request_timeout_s=1.0, stall_timeout_s=0.5, min_rate_Bps=1.0, rate_window_s=60.0)
+    """15 chunks 0.1 s apart: 1.5 s in all, longer than the stall timeout, yet never 1 s without a byte."""
+    limits = Limits(request_timeout_s=1.0, stall_timeout_s=1.0, min_rate_Bps=1.0, rate_window_s=60.0)
 
     async def body():
         reader, link = _link(limits)
@@ -529,7 +539,7 @@ def test_slow_but_moving_transfer_is_not_cut():
         dt = time.monotonic() - t0
         await feeder
         assert bytes(data) == b"x" * 1500
-        assert dt > 1.2  # it really outlasted the stall timeout
+        assert dt > 1.2 > limits.stall_timeout_s  # it really outlasted the stall timeout
         assert link.meter.done == 1500 and link.meter.total == 1500
 
     run(body())
@@ -543,7 +553,7 @@ def test_stalled_transfer_is_cut_after_the_stall_timeout():
         link.expect(10_000)
         feeder = asyncio.create_task(_feed(reader, b"x" * 100, 0.05, 4))  # then silence (no EOF)
         with pytest.raises(TransferCut, match="no bytes"):
-            await link.read_exact(10_000)
+            await asyncio.wait_for(link.read_exact(10_000), 10)
         cut = time.monotonic()
         last = await feeder
         assert 0.4 <= cut - last <= 5.0  # about stall_timeout_s after the last byte
@@ -561,7 +571,7 @@ def test_trickle_below_the_floor_is_cut_after_one_window():
         feeder = asyncio.create_task(_feed(reader, b"x" * 10, 0.05, 400))
         t0 = time.monotonic()
         with pytest.raises(TransferCut, match="below the floor"):
-            await link.read_exact(1_000_000)
+            await asyncio.wait_for(link.read_exact(1_000_000), 10)
         dt = time.monotonic() - t0
         feeder.cancel()
         assert 0.45 <= dt < 5.0  # one window of waiting, long before the stall timeout or 20 s of trickle
@@ -601,7 +611,7 @@ def test_size_deadline_cuts_a_transfer_slower_than_the_floor():
         feeder = asyncio.create_task(_feed(reader, b"x" * 50, 0.1, 20))
         t0 = time.monotonic()
         with pytest.raises(TransferCut):
-            await link.read_exact(1000)
+            await asyncio.wait_for(link.read_exact(1000), 10)
         dt = time.monotonic() - t0
         feeder.cancel()
         assert dt >= 1.1 and link.meter.done < 1000
@@ -661,8 +671,6 @@ MEMORY_SCRIPT = textwrap.dedent(r"""
         codec, x, enc, frame = sender(8, 1)
         await receive(pool, codec, enc, frame, False)
         codec, x, enc, frame = sender(mb, 0)
-        del codec.__dict__["_codecs"]  # a fresh receiver-side codec cache
-        codec._codecs = {}
         t0 = time.monotonic()
         code, got, growth = await receive(pool, codec, enc, frame, True)
         exact = bool(torch.equal(got.view(torch.int32), x.view(torch.int32)))

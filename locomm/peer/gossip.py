@@ -198,7 +198,9 @@ class Gossip:
             inc = Incoming(t.xfer, self.codec.allocate(t.enc), set(self.codec.parts(t.enc)))
             self.incoming[key] = inc
         if inc.claimed & set(t.parts):
-            raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "a part was already sent on another stream")
+            # Only the same transfer can overlap here (another xfer was refused or replaced above): a retry of
+            # parts another stream carries. Wasteful, not hostile.
+            raise ProtocolViolation(ErrorCode.NOT_READY, "a part is already on its way on another stream")
         inc.claimed |= set(t.parts)
         return inc
 
@@ -278,9 +280,13 @@ class Gossip:
         is retried a few times, a second apart.
         """
         outcome: ErrorCode | str = ErrorCode.OK
+        pending = list(range(len(out.parts)))  # parts no stream has had an OK for yet
         for attempt in range(PUSH_ATTEMPTS):
-            outcome = await self._push_once(peer, out)
-            if outcome not in (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_READY, "reset"):
+            outcome, delivered = await self._push_once(peer, out, pending)
+            # Resend only what was refused: a stream answered OK holds its parts on the receiver already,
+            # and sending them again under the same xfer is a duplicate claim (UNEXPECTED_TENSOR, a fault).
+            pending = [i for i in pending if i not in delivered]
+            if outcome not in (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_READY, "reset") or not pending:
                 break
             if out.round < self.current_round - 1:
                 break
@@ -298,21 +304,24 @@ class Gossip:
                      outcome if isinstance(outcome, str) else outcome.name)
         return outcome
 
-    async def _push_once(self, peer: str, out: Outgoing) -> ErrorCode | str:
-        n = self._stream_count(out)
+    async def _push_once(self, peer: str, out: Outgoing, which: list[int]) -> tuple[ErrorCode | str, set[int]]:
+        """One attempt at sending parts ``which`` of ``out``; the outcome and the parts answered OK."""
+        n = max(1, min(self._stream_count(out), len(which)))
         lanes: list[list[int]] = [[] for _ in range(n)]
         load = [0] * n
-        for i, p in enumerate(out.parts):  # balance the streams by size, deterministically
+        for i in which:  # balance the streams by size, deterministically
+            p = out.parts[i]
             j = load.index(min(load))
             lanes[j].append(i)
             load[j] += self.codec.max_part_bytes(p)
         t0 = time.monotonic()
         sent = [0]
+        by_lane: dict[int, list[int]] = {}
 
         async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool]:
             link = await open_link(self.p2p, peer, self.handler, self.limits, "send", n)
             self.server.meters.append(link.meter)
-            sent_here = [0]
+            sent_here = by_lane[k] = [0]
             try:
                 parts = [out.parts[i] for i in idx]
                 await out.get(idx[0])  # the receiver's clock starts with our header: have data ready first
@@ -339,12 +348,12 @@ class Gossip:
                     self.server.meters.remove(link.meter)
                 link.writer.close()
 
-        results = await asyncio.gather(*(lane(k, idx) for k, idx in enumerate(lanes) if idx),
-                                       return_exceptions=True)
+        lanes = [idx for idx in lanes if idx]
+        results = await asyncio.gather(*(lane(k, idx) for k, idx in enumerate(lanes)), return_exceptions=True)
+        delivered: set[int] = set()
         self.stats.bytes_sent += sent[0]
         outcome: ErrorCode | str = ErrorCode.OK
-        undelivered = sent[0]
-        for r in results:
+        for idx, r in zip(lanes, results):
             if isinstance(r, asyncio.CancelledError):
                 raise r
             if isinstance(r, Unreachable):
@@ -358,17 +367,20 @@ class Gossip:
                 outcome = "cut" if outcome == ErrorCode.OK else outcome
             else:
                 code, pull = r
+                if code == ErrorCode.OK:
+                    delivered.update(idx)
                 if pull:
                     self.pull_hints[out.round].add(peer)
                 if code != ErrorCode.OK and outcome == ErrorCode.OK:
                     outcome = code
-        if outcome != ErrorCode.OK:
-            self.stats.bytes_undelivered += undelivered
+        if outcome != ErrorCode.OK:  # what went out on streams that did not answer OK
+            self.stats.bytes_undelivered += sum(by_lane.get(k, [0])[0] for k, idx in enumerate(lanes)
+                                                if not set(idx) <= delivered)
         if outcome == ErrorCode.OK:
             dt = max(1e-3, time.monotonic() - t0)
             rate = sent[0] / dt
             self.stats.up_Bps = rate if self.stats.up_Bps == 0 else 0.7 * self.stats.up_Bps + 0.3 * rate
-        return outcome
+        return outcome, delivered
 
     async def pull(self, peer: str, round_idx: int) -> bool:
         """Fetch a partner's payload of ``round_idx`` over a stream we open; True when it arrived."""
@@ -433,7 +445,7 @@ class Gossip:
                     overdue = now > deadline[p]
                     if (p in self.pull_hints.get(round_idx, ()) or (overdue and not moving)) and \
                             (p not in pulls or pulls[p].done()) and now - last_pull.get(p, -1e9) > PULL_RETRY_S \
-                            and now < start + self.max_wait_s and inc is None:
+                            and now < start + self.max_wait_s and not moving:
                         last_pull[p] = now
                         pulls[p] = asyncio.create_task(self.pull(p, round_idx))
                 busy = any(not t.done() for t in pulls.values())

@@ -43,8 +43,8 @@ from locomm.peer.gossip import Faults, Gossip
 from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.rpc import Limits, RpcServer
 from locomm.peer.state import Snapshot, StateServer, fetch_state
-from locomm.peer.swarm import (Heartbeat, fetch_spec, members_for_round, publish_spec, read_heartbeats,
-                               store_heartbeat)
+from locomm.peer.swarm import (MEMBER_LAG_ROUNDS, Heartbeat, fetch_spec, members_for_round, publish_spec,
+                               read_heartbeats, store_heartbeat)
 
 log = logging.getLogger(__name__)
 JOIN_MARGIN_ROUNDS = 2
@@ -103,6 +103,7 @@ class Node:
         self.beats: dict[str, Heartbeat] = {}
         self._beats_read = 0.0
         self._unknown_read = 0.0
+        self._refresh: asyncio.Future | None = None
         self.round_t0 = time.time()
         self.round_s = 0.0
         self.phase = "starting"
@@ -228,6 +229,15 @@ class Node:
                 log.info("synced state of round %d from %d donor(s)", donor_round, len(donors))
         self.round = self.join_round
         self.trainer.step = self.round * self.spec.outer.inner_steps
+        # A joiner's first DHT reads can return part of the swarm (its routing table is still filling):
+        # read until two reads in a row see the same peers, so its first groups are everyone's groups.
+        seen: set[str] = set()
+        for _ in range(10):
+            now = {b.peer for b in await self._read_beats()}
+            if now == seen:
+                break
+            seen = now
+            await asyncio.sleep(0.5)
 
     async def _wait_for_peers(self, n: int, timeout: float = 60.0) -> None:
         assert self.dht is not None
@@ -257,7 +267,10 @@ class Node:
                   # a round takes us, how fast we upload, to how many partners.
                   "round_t0": self.round_t0, "round_s": self.round_s, "up_Bps": self.gossip.stats.up_Bps,
                   "partners": self.partners, "faults": self.faults.total, "banned": len(self.faults.banned)}
-        await store_heartbeat(self.dht, self.run_id, self.me, record, self.spec.network.heartbeat_ttl_s)
+        # The record outlives the membership lag (MEMBER_LAG_ROUNDS rounds), so a peer that died drops out of
+        # every peer's member list by its frozen round counter, at the same round, not by a clock.
+        ttl = max(self.spec.network.heartbeat_ttl_s, (MEMBER_LAG_ROUNDS + 2) * self.round_s)
+        await store_heartbeat(self.dht, self.run_id, self.me, record, ttl)
 
     async def _read_beats(self) -> list[Heartbeat]:
         assert self.dht is not None
@@ -269,10 +282,12 @@ class Node:
     async def _authorize(self, remote: str, policy: str) -> bool:
         """The services' authorize hook: members for gossip, any announced peer for state sync."""
         beat = self.beats.get(remote)
-        if beat is None and time.monotonic() - self._unknown_read > 0.5:  # a peer we have not seen yet
-            self._unknown_read = time.monotonic()
+        if beat is None:  # a peer we have not seen yet: one DHT read, shared by its concurrent streams
+            if self._refresh is None or (self._refresh.done() and time.monotonic() - self._unknown_read > 0.5):
+                self._unknown_read = time.monotonic()
+                self._refresh = asyncio.ensure_future(self._read_beats())
             with contextlib.suppress(Exception):
-                await self._read_beats()
+                await asyncio.shield(self._refresh)
             beat = self.beats.get(remote)
         if beat is None:
             return False
@@ -423,7 +438,8 @@ class Node:
                 break
             # Bans are not applied here: every peer must derive the same groups; a banned or unreachable
             # partner is skipped at exchange time instead.
-            members = members_for_round(await self._read_beats(), self.round, self.me)
+            members = members_for_round(await self._read_beats(), self.round, self.me,
+                                        fresh_s=self.spec.network.heartbeat_ttl_s)
             plan, sent = await self.compute(self._plan, self.round, members)
             self.members, self.partners = len(members), len(plan.peers)
             task = asyncio.create_task(self._exchange(self.round, plan))

@@ -150,7 +150,8 @@ class Link:
                 prefix = await self.reader.readexactly(HEADER_LEN.size)
                 raw = await self.reader.readexactly(read_header_length(prefix))
         except asyncio.IncompleteReadError:
-            raise ProtocolViolation(ErrorCode.MALFORMED, "stream ended inside a header") from None
+            # A sender that hung up (cancelled, shutting down, a dropped link) is not a violation.
+            raise ConnectionError("stream ended inside a header") from None
         except TimeoutError:
             raise TransferCut("no header within request_timeout_s") from None
         return decode_header(raw)
@@ -301,11 +302,11 @@ class RpcServer:
             try:
                 if self.is_banned(remote):
                     # Read (and drop) the bounded header so the answer is not lost to a reset; never the body.
-                    with contextlib.suppress(ProtocolViolation, TransferCut):
+                    with contextlib.suppress(ProtocolViolation, TransferCut, ConnectionError):
                         await link.read_header()
                     raise ProtocolViolation(ErrorCode.BANNED, "banned")
                 if self.open_streams[remote] > self.limits.max_streams_per_peer:
-                    with contextlib.suppress(ProtocolViolation, TransferCut):
+                    with contextlib.suppress(ProtocolViolation, TransferCut, ConnectionError):
                         await link.read_header()
                     raise ProtocolViolation(ErrorCode.NOT_READY, "too many open streams from this peer")
                 header = await link.read_header()

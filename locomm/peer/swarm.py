@@ -6,7 +6,8 @@ DHT records (small ones only; tensors never go through the DHT):
   read it and refuse a swarm whose hash or protocol version differs from theirs.
 - ``locomm.<run>.peers``, one subkey per peer id: a heartbeat {round, join_round,
   step, loss, val_loss, tokens_per_s, bytes_sent, last_exchange, version, maddrs,
-  time} that expires after ``heartbeat_ttl_s``.
+  time} that expires after ``heartbeat_ttl_s``, or after MEMBER_LAG_ROUNDS + 2 of the
+  peer's rounds when that is longer (membership is decided by the round counter, not by expiry).
 
 The members of round r are the live peers whose ``join_round <= r`` and whose
 last round is not far behind r (:func:`members_for_round`), sorted by peer id. A
@@ -85,15 +86,20 @@ MEMBER_LAG_ROUNDS = 3
 """A peer whose last heartbeat is more than this many rounds behind round r is not a member of r."""
 
 
-def members_for_round(beats: list[Heartbeat], round_idx: int, me: str) -> list[str]:
+def members_for_round(beats: list[Heartbeat], round_idx: int, me: str, fresh_s: float = 0.0,
+                      now: float | None = None) -> list[str]:
     """The members of round r, from a snapshot every peer reads alike.
 
-    A peer is a member of r when its heartbeat is live, it was admitted by r (``join_round <= r``) and its
-    last published round is at least ``r - MEMBER_LAG_ROUNDS``. Both tests read the heartbeat's *content*,
-    not when it was read, so two peers that see the same records derive the same groups, whatever their
-    timing; a peer that died drops out for everyone at the same round, once its round counter is left
-    behind. Local bans are not applied: a banned partner is skipped at exchange time instead.
+    A peer is a member of r when it was admitted by r (``join_round <= r``) and either its last published
+    round is at least ``r - MEMBER_LAG_ROUNDS`` or its heartbeat is younger than ``fresh_s`` (a live peer
+    that is merely slow stays in). A peer that died drops out when both fail: its frozen round counter is
+    content every peer reads alike, so where rounds are longer than the heartbeat TTL (any real run) it
+    drops out for everyone at the same round, whenever each one reads. Local bans are not applied: a banned
+    partner is skipped at exchange time instead.
     """
-    members = {h.peer for h in beats if h.join_round <= round_idx and h.round >= round_idx - MEMBER_LAG_ROUNDS}
+    now = get_dht_time() if now is None else now
+    members = {h.peer for h in beats if h.join_round <= round_idx and (
+        h.round >= round_idx - MEMBER_LAG_ROUNDS
+        or now - float(h.fields.get("time", 0.0) or 0.0) < fresh_s)}
     members.add(me)
     return sorted(members)

@@ -113,18 +113,7 @@ def param_count(spec: RunSpec) -> int:
 # ------------------------------------------------------------------------------------- reading
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            e = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written, or a killed writer's last one
-        if isinstance(e, dict):
-            out.append(e)
-    return out
+from locomm.peer.local_swarm import read_events  # noqa: E402 - one reader of the peers' JSON-lines logs
 
 
 def last_json_line(path: Path) -> dict[str, Any] | None:

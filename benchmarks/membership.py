@@ -6,7 +6,12 @@ exactly when they logged different member lists for it. The run: 6 real `locomm-
 processes (nano preset) on loopback; after ``--kill-at`` rounds one peer is SIGKILLed and a
 new one joins; the swarm runs to ``--rounds``. Prints JSON (also to ``--out``):
 
-    python benchmarks/membership.py --rounds 40 --out benchmarks/results/membership.json
+    python benchmarks/membership.py --rounds 30 --inner-steps 100 --kill-at 8 --join-at 15 \
+        --out benchmarks/results/membership.json
+
+Rounds here last seconds, so the heartbeat TTL is scaled down with them (a real run: 5 s heartbeats,
+a 30 s TTL, rounds of a minute or more); with a TTL longer than a round, expiry instead of the round
+counter decides when a dead peer leaves, and peers that read at different times disagree.
 """
 
 from __future__ import annotations
@@ -43,13 +48,17 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=12)
     ap.add_argument("--join-at", type=int, default=20)
     ap.add_argument("--inner-steps", type=int, default=10)
+    ap.add_argument("--heartbeat-interval", type=float, default=1.0)
+    ap.add_argument("--heartbeat-ttl", type=float, default=3.0,
+                    help="Keep it below a round's duration, as in a real run (5 s heartbeats, 30 s TTL, minute rounds)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="locomm-membership-"))
     spec = (RunSpec.preset("nano").replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
             .replace("outer", algo="noloco", inner_steps=args.inner_steps)
             .replace("train", steps=args.rounds * args.inner_steps, eval_batches=2, eval_interval=0)
-            .replace("network", heartbeat_interval_s=1.0, heartbeat_ttl_s=6.0, stall_timeout_s=5.0))
+            .replace("network", heartbeat_interval_s=args.heartbeat_interval, heartbeat_ttl_s=args.heartbeat_ttl,
+                     stall_timeout_s=5.0))
     cfg = tmp / "run.toml"
     spec.save(cfg)
     procs: dict[str, subprocess.Popen] = {}
@@ -100,7 +109,9 @@ def main() -> None:
                 # The event is written after the round counter moved on: it describes round - 1.
                 by_round[e["round"] - 1].append((name, tuple(e["member_ids"])))
     disagree = [r for r, views in by_round.items() if len({v for _, v in views}) > 1]
-    result = {"peers": args.peers, "rounds": args.rounds, "kill_at": args.kill_at, "join_at": args.join_at,
+    result = {"command": " ".join(sys.argv), "inner_steps": args.inner_steps,
+              "heartbeat_interval_s": args.heartbeat_interval, "heartbeat_ttl_s": args.heartbeat_ttl,
+              "peers": args.peers, "rounds": args.rounds, "kill_at": args.kill_at, "join_at": args.join_at,
               "rounds_observed": len(by_round), "rounds_with_disagreement": len(disagree),
               "disagreement_rate": len(disagree) / max(1, len(by_round)), "disagreeing_rounds": sorted(disagree),
               "wall_s": time.time() - t0,

@@ -40,9 +40,11 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            out.append(json.loads(line))
+            e = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line being written
+            continue  # a line being written, or a killed writer's last one
+        if isinstance(e, dict):
+            out.append(e)
     return out
 
 

@@ -9,8 +9,9 @@ Lifecycle of ``Node.run()``:
    own checkpoint, or download state from live peers when joining a running swarm;
 4. train: H inner steps per round in the worker thread, then the round's exchange
    over P2P streams. With ``overlap`` the exchange runs while the next round's
-   inner steps compute, and its result is applied one round late, keeping the
-   local progress made meanwhile (theta <- phi_new + (theta_now - theta_sent));
+   inner steps compute, and its result is applied at the end of that next round,
+   exactly one round late whenever it arrived, keeping the local progress made
+   meanwhile (theta <- phi_new + (theta_now - theta_sent));
 5. on SIGINT/SIGTERM or the last round: finish the pending exchange, checkpoint
    atomically, shut P2P and the DHT down.
 
@@ -421,11 +422,11 @@ class Node:
             t0 = time.perf_counter()
             self.round_t0 = time.time()
             losses = []
+            # The previous round's exchange runs meanwhile; it is applied at this round's end, exactly one
+            # round late whenever it finished, so the numerics do not depend on the network's speed (and
+            # match the simulator's schedule) as long as an exchange takes no longer than a round.
             for _ in range(H):
                 losses.append(await self.compute(self.trainer.train_step))
-                if pending is not None and pending[3].done():
-                    await self._finish(pending)
-                    pending = None
                 if self.stop.is_set():
                     break
             self.last_loss = sum(losses) / len(losses)

@@ -186,6 +186,11 @@ class OuterConfig:
     """none (single node), ddp, diloco, noloco, gasloc or sparseloco."""
     inner_steps: int = 50
     """H: inner steps per outer round."""
+    apply_delay_steps: int = 0
+    """With overlap, a round's exchange is applied after this many inner steps of the next round (0: all H,
+    exactly one round late). Fixed in steps, so the numerics do not depend on the network; a smaller delay
+    (Streaming DiLoCo uses a few steps) converges closer to a blocking exchange, and compute waits at that
+    step if the exchange has not arrived."""
     lr: float = 0.7
     """Outer learning rate (DiLoCo eta, NoLoCo alpha, GASLoC eta, SparseLoCo alpha)."""
     momentum: float = 0.9
@@ -224,6 +229,8 @@ class OuterConfig:
         _choice(self, "topology", GASLOC_TOPOLOGIES)
         _choice(self, "gasloc_momentum_on", ("mixed", "unmixed"))
         _check(self.inner_steps >= 1, "inner_steps", f"H must be >= 1, got {self.inner_steps}")
+        _check(0 <= self.apply_delay_steps <= self.inner_steps, "apply_delay_steps",
+               f"must be in [0, inner_steps={self.inner_steps}], got {self.apply_delay_steps}")
         _check(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
         _check(self.k_peers >= 1, "k_peers", f"must be >= 1, got {self.k_peers}")
         _positive(self, "lr", "sparse_lr")

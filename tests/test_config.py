@@ -67,3 +67,11 @@ def test_config_and_help_do_not_import_torch():
     elapsed = time.perf_counter() - t0
     assert out.returncode == 0 and "train" in out.stdout
     assert elapsed < 3.0  # well under a second on an idle machine; generous for loaded CI
+
+
+def test_apply_delay_steps_is_bounded_by_h():
+    from locomm.config import ConfigError, OuterConfig
+
+    assert OuterConfig(inner_steps=20, apply_delay_steps=5).apply_delay_steps == 5
+    with pytest.raises(ConfigError, match="apply_delay_steps"):
+        OuterConfig(inner_steps=20, apply_delay_steps=21)

@@ -425,7 +425,11 @@ class Node:
             # The previous round's exchange runs meanwhile; it is applied at this round's end, exactly one
             # round late whenever it finished, so the numerics do not depend on the network's speed (and
             # match the simulator's schedule) as long as an exchange takes no longer than a round.
-            for _ in range(H):
+            apply_at = self.spec.outer.apply_delay_steps or H
+            for i in range(H):
+                if pending is not None and i == apply_at:
+                    await self._finish(pending)
+                    pending = None
                 losses.append(await self.compute(self.trainer.train_step))
                 if self.stop.is_set():
                     break

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from locomm.compression import available_codecs, get_codec
-from locomm.compression.base import Codec, CodecError, TensorRole
+from locomm.compression.base import Codec, CodecError, TensorRole, tensor_bytes, tensor_from_bytes
 
 PART_ELEMS = 1 << 20
 """Default elements per part (4 MiB of fp32)."""
@@ -183,7 +183,7 @@ class PayloadCodec:
         flat = v.detach().reshape(-1)[part.start:part.start + part.count]
         codec = self.codec(t.codec)
         if codec is None:
-            return _raw_bytes(flat.to("cpu", WIRE_DTYPES[t.dtype]).contiguous())
+            return bytes(tensor_bytes(flat.to(WIRE_DTYPES[t.dtype])))
         return codec.encode(flat.contiguous())
 
     # -- decode ------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class PayloadCodec:
         if codec is None:
             if len(data) != part.count * want.itemsize:
                 raise PayloadError("shape", f"{t.name}: {len(data)} bytes for {part.count} values")
-            x = torch.frombuffer(bytearray(data), dtype=want) if part.count else torch.empty(0, dtype=want)
+            x = tensor_from_bytes(data, want, (part.count,))
         else:
             try:
                 x = codec.decode(data)
@@ -269,9 +269,3 @@ class PayloadCodec:
             total += len(data)
             self.decode_part(dest, part, data)
         return self.finish(dest), total
-
-
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().tobytes()
-    return t.numpy().tobytes()

@@ -44,7 +44,7 @@ from hivemind.p2p import P2P
 
 from locomm.compression.payload import Part, PayloadCodec, PayloadError
 from locomm.peer.rpc import Call, Link, Limits, Meter, RpcServer, Service, TransferCut, Unreachable, open_link
-from locomm.protocol.messages import (ErrorCode, ProtocolViolation, Transfer, pull_header, push_header,
+from locomm.protocol.messages import (FAULT_CODES, ErrorCode, ProtocolViolation, Transfer, pull_header, push_header,
                                       transfer_fields, validate_transfer)
 
 log = logging.getLogger(__name__)
@@ -315,8 +315,7 @@ class Gossip:
             lanes[j].append(i)
             load[j] += self.codec.max_part_bytes(p)
         t0 = time.monotonic()
-        sent = [0]
-        by_lane: dict[int, list[int]] = {}
+        by_lane: dict[int, list[int]] = {}  # bytes each stream put on the wire
 
         async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool]:
             link = await open_link(self.p2p, peer, self.handler, self.limits, "send", n)
@@ -331,7 +330,6 @@ class Gossip:
                     for i in idx:
                         data = await out.get(i)
                         await link.write_part(data)
-                        sent[0] += len(data)
                         sent_here[0] += len(data)
                 except (ConnectionError, TransferCut) as e:
                     # The receiver may have answered early (a refusal) and closed: read its answer if it did.
@@ -351,7 +349,8 @@ class Gossip:
         lanes = [idx for idx in lanes if idx]
         results = await asyncio.gather(*(lane(k, idx) for k, idx in enumerate(lanes)), return_exceptions=True)
         delivered: set[int] = set()
-        self.stats.bytes_sent += sent[0]
+        sent = sum(b[0] for b in by_lane.values())
+        self.stats.bytes_sent += sent
         outcome: ErrorCode | str = ErrorCode.OK
         for idx, r in zip(lanes, results):
             if isinstance(r, asyncio.CancelledError):
@@ -378,7 +377,7 @@ class Gossip:
                                                 if not set(idx) <= delivered)
         if outcome == ErrorCode.OK:
             dt = max(1e-3, time.monotonic() - t0)
-            rate = sent[0] / dt
+            rate = sent / dt
             self.stats.up_Bps = rate if self.stats.up_Bps == 0 else 0.7 * self.stats.up_Bps + 0.3 * rate
         return outcome, delivered
 
@@ -398,8 +397,7 @@ class Gossip:
             self.stats.pulls += 1
             return await self._receive(peer, round_idx, t, link)
         except ProtocolViolation as v:
-            if v.code in (ErrorCode.BAD_SHAPE, ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_FINITE, ErrorCode.MALFORMED,
-                          ErrorCode.TOO_LARGE, ErrorCode.UNEXPECTED_TENSOR):
+            if v.code in FAULT_CODES:
                 self.faults.record(peer, f"pulled payload: {v.message}")
             return False
         except (TransferCut, ConnectionError, asyncio.IncompleteReadError) as e:
@@ -439,19 +437,16 @@ class Gossip:
                 if not missing:
                     break
                 now = time.monotonic()
-                for p in missing:
-                    inc = self.incoming.get((p, round_idx))
-                    moving = inc is not None and now - inc.last_progress < self.limits.stall_timeout_s
-                    overdue = now > deadline[p]
-                    if (p in self.pull_hints.get(round_idx, ()) or (overdue and not moving)) and \
+                moving = {p for p in missing if (inc := self.incoming.get((p, round_idx))) is not None
+                          and now - inc.last_progress < self.limits.stall_timeout_s}
+                for p in missing - moving:  # hinted, or overdue with nothing arriving: fetch it ourselves
+                    if (p in self.pull_hints.get(round_idx, ()) or now > deadline[p]) and \
                             (p not in pulls or pulls[p].done()) and now - last_pull.get(p, -1e9) > PULL_RETRY_S \
-                            and now < start + self.max_wait_s and not moving:
+                            and now < start + self.max_wait_s:
                         last_pull[p] = now
                         pulls[p] = asyncio.create_task(self.pull(p, round_idx))
                 busy = any(not t.done() for t in pulls.values())
-                alive = [p for p in missing if now <= deadline[p] or (p in pulls and not pulls[p].done())
-                         or ((inc := self.incoming.get((p, round_idx))) is not None
-                             and now - inc.last_progress < self.limits.stall_timeout_s)]
+                alive = [p for p in missing if now <= deadline[p] or p in moving]
                 if not alive and not busy:
                     break
                 async with self.arrived:

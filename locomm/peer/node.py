@@ -308,8 +308,8 @@ class Node:
             t0 = float(f.get("round_t0") or now_wall)
             up = float(f.get("up_Bps") or 0.0) or net.min_rate_mbit * 1e6 / 8
             partners = max(1, int(f.get("partners") or 1))
-            ready = now_wall if b is not None and b.round > round_idx else t0 + (round_idx - (b.round if b else
-                                                                                       round_idx) + 1) * round_s
+            rounds_to_go = round_idx - b.round + 1 if b is not None else 1  # <= 0: it has sent already
+            ready = now_wall if rounds_to_go <= 0 else t0 + rounds_to_go * round_s
             arrive = max(ready, now_wall) + wire * partners / up
             # Slack: a stall timeout, and a quarter of a round for jitter in the partner's compute.
             return now + (arrive - now_wall) + net.stall_timeout_s + 0.25 * round_s
@@ -322,17 +322,16 @@ class Node:
         return self.gossip.stats.bytes_received + self.avg_bytes
 
     def status(self) -> dict[str, Any]:
-        """What the node is doing now, for the live display (locomm.peer.display)."""
-        transfers = [m.view() for m in list(self.rpc.meters)] if getattr(self, "rpc", None) else []
-        return {"peer": getattr(self, "me", "")[-8:], "round": self.round, "end_round": self.end_round,
-                "step": self.trainer.step if hasattr(self, "trainer") else 0, "loss": _finite(self.last_loss),
-                "val_loss": _finite(self.val_loss), "tokens_per_s": self.tokens_per_s, "members": self.members,
-                "partners": self.partners, "answered": self.last_answered,
-                "bytes_sent": self._bytes_sent() if hasattr(self, "gossip") else 0,
-                "bytes_received": self._bytes_received() if hasattr(self, "gossip") else 0,
-                "wait_s": self.wait_s, "wall_s": time.perf_counter() - self.t_train, "phase": self.phase,
-                "transfers": transfers, "faults": self.faults.total if hasattr(self, "faults") else 0,
-                "banned": len(self.faults.banned) if hasattr(self, "faults") else 0}
+        """What the node is doing now, for the live display (locomm.peer.display); called once the node's
+        trainer and services exist (the report loop and round_done start after them)."""
+        return {"peer": self.me[-8:], "round": self.round, "end_round": self.end_round, "step": self.trainer.step,
+                "loss": _finite(self.last_loss), "val_loss": _finite(self.val_loss),
+                "tokens_per_s": self.tokens_per_s, "members": self.members, "partners": self.partners,
+                "answered": self.last_answered, "bytes_sent": self._bytes_sent(),
+                "bytes_received": self._bytes_received(), "wait_s": self.wait_s,
+                "wall_s": time.perf_counter() - self.t_train, "phase": self.phase,
+                "transfers": [m.view() for m in list(self.rpc.meters)], "faults": self.faults.total,
+                "banned": len(self.faults.banned)}
 
     async def _report_loop(self) -> None:
         while not self.stop.is_set():

@@ -143,18 +143,22 @@ class Link:
 
     # -- reads -------------------------------------------------------------------------
 
-    async def read_header(self) -> dict[str, Any]:
-        """A bounded header read: request_timeout_s for the whole header."""
+    async def _read_frame(self, timeout_s: float, what: str) -> dict[str, Any]:
+        """One ``u32 length | msgpack`` header within ``timeout_s``; a stream that ends first is a broken link
+        (a sender that hung up, cancelled or shutting down, is not a violation)."""
         try:
-            async with asyncio.timeout(self.limits.request_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 prefix = await self.reader.readexactly(HEADER_LEN.size)
                 raw = await self.reader.readexactly(read_header_length(prefix))
         except asyncio.IncompleteReadError:
-            # A sender that hung up (cancelled, shutting down, a dropped link) is not a violation.
-            raise ConnectionError("stream ended inside a header") from None
+            raise ConnectionError(f"stream ended before the whole {what}") from None
         except TimeoutError:
-            raise TransferCut("no header within request_timeout_s") from None
+            raise TransferCut(f"no {what} within {timeout_s:.0f} s") from None
         return decode_header(raw)
+
+    async def read_header(self) -> dict[str, Any]:
+        """A bounded header read: request_timeout_s for the whole header."""
+        return await self._read_frame(self.limits.request_timeout_s, "header")
 
     async def read_exact(self, n: int) -> bytearray:
         """Exactly ``n`` bytes (already bounded by a validated declaration), in chunks under the limits."""
@@ -204,22 +208,16 @@ class Link:
             self._progress(len(piece), time.monotonic() - t0)
 
     async def write_part(self, data: bytes | bytearray | memoryview) -> None:
-        await self.write_bytes(PART_LEN.pack(len(data)) + bytes(data) if len(data) < IO_CHUNK else
-                               PART_LEN.pack(len(data)))
-        if len(data) >= IO_CHUNK:
+        if len(data) < IO_CHUNK:  # a small part goes out with its length in one write
+            await self.write_bytes(PART_LEN.pack(len(data)) + bytes(data))
+        else:
+            await self.write_bytes(PART_LEN.pack(len(data)))
             await self.write_bytes(data)
 
     async def read_answer(self, extra_s: float = 0.0) -> tuple[ErrorCode, dict[str, Any]]:
         """The peer's answer header: waits a stall timeout (plus ``extra_s`` for its decoding)."""
-        try:
-            async with asyncio.timeout(self.limits.stall_timeout_s + self.limits.request_timeout_s + extra_s):
-                prefix = await self.reader.readexactly(HEADER_LEN.size)
-                raw = await self.reader.readexactly(read_header_length(prefix))
-        except asyncio.IncompleteReadError:
-            raise ConnectionError("stream ended before the answer") from None
-        except TimeoutError:
-            raise TransferCut("no answer in time") from None
-        resp = decode_header(raw)
+        resp = await self._read_frame(self.limits.stall_timeout_s + self.limits.request_timeout_s + extra_s,
+                                      "answer")
         return check_response(resp), resp
 
 

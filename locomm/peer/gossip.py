@@ -251,6 +251,12 @@ class Gossip:
 
     async def _on_push(self, call: Call) -> None:
         t = validate_transfer(call.msg.fields, self.codec, self.max_body_bytes)
+        if call.remote in self.mailbox.get(call.msg.round, {}):
+            # We hold this payload already (we pulled it while this push was refused or retried): the push
+            # achieved what it is for, so it is answered OK, not refused, and the sender stops retrying.
+            await call.answer(ErrorCode.OK, pull=False)
+            await call.link.discard()
+            return
         await self._receive(call.remote, call.msg.round, t, call.link)
         await call.answer(ErrorCode.OK, pull=call.remote in self.unreachable.get(call.msg.round, ()))
 

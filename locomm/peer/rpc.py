@@ -178,6 +178,12 @@ class Link:
             self._progress(len(chunk), time.monotonic() - t0)
         return buf
 
+    async def discard(self, max_bytes: int = 8 << 20, max_s: float = 1.0) -> None:
+        """Take in (and drop) a little of what the sender is still writing: closing with unread bytes resets
+        the stream, and the reset can overtake an answer we already wrote."""
+        with contextlib.suppress(Exception):
+            await _drain(self.reader, max_bytes, max_s)
+
     async def read_part(self, max_bytes: int) -> bytearray:
         """One ``u32 length | bytes`` part whose length must not exceed ``max_bytes``."""
         prefix = await self.read_exact(PART_LEN.size)
@@ -339,10 +345,7 @@ class RpcServer:
                 with contextlib.suppress(Exception):
                     await link.write_header(response_header(code, message))
             if code != ErrorCode.OK:
-                # Closing with unread bytes resets the stream, and the reset can overtake our answer: take
-                # in (and drop) a little of what the sender is still writing before closing.
-                with contextlib.suppress(Exception):
-                    await _drain(reader, DRAIN_BYTES, DRAIN_S)
+                await link.discard(DRAIN_BYTES, DRAIN_S)
         finally:
             self.open_streams[remote] -= 1
             if self.open_streams[remote] <= 0:

@@ -8,6 +8,7 @@ kills at the end, so no p2pd outlives a test.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -307,7 +308,10 @@ def test_malformed_messages_get_error_codes(tmp_path):
     finally:
         peer.kill_group()
     fin = peer.events("finished")[0]
-    assert fin["interrupted"] and fin["final_loss"] < fin["initial_loss"]
+    # It trained on: its training loss fell. (Not the validation loss: this peer runs until the probe is done,
+    # which under load is thousands of steps on a 1 MB corpus, and a nano model overfits that.)
+    losses = [e["loss"] for e in peer.events("round")]
+    assert fin["interrupted"] and math.isfinite(fin["final_loss"]) and losses[-1] < losses[0], losses
     assert (tmp_path / "ck" / "checkpoint.safetensors").exists()
     assert fin["errors_answered"]["BANNED"] >= 1
 

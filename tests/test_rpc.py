@@ -171,7 +171,7 @@ def test_valid_push_is_answered_ok_and_delivered_bit_exact(pool):
         h = Harness(pool)
         payload = make_payload(h.codec)
         ans = await h.request(push_frame(h.codec) + body_bytes(h.codec, payload))
-        assert status(ans) == ErrorCode.OK and ans[0]["pull"] is False
+        assert status(ans) == ErrorCode.OK and ans[0]["pull"] is False and not ans[0].get("held")
         got = h.gossip.mailbox[0][SENDER]
         assert set(got) == set(payload)
         for k, v in payload.items():
@@ -179,11 +179,12 @@ def test_valid_push_is_answered_ok_and_delivered_bit_exact(pool):
             assert torch.equal(bits(got[k]), bits(v)), k
         assert h.fault_log == [] and not h.gossip.incoming
         assert h.gossip.stats.bytes_received == len(body_bytes(h.codec, payload)) - 4 * len(h.codec.parts())
-        # A second push of the same round's payload is refused (NOT_READY), which is not a fault.
         again = await h.request(push_frame(h.codec, xfer=9) + body_bytes(h.codec, payload))
         # A payload we already hold (say, pulled while the push was retried) is answered OK: the push has done
-        # its job, so the sender must not retry it or count it failed. Still no fault, nothing reallocated.
-        assert status(again) == ErrorCode.OK and h.fault_log == [] and not h.gossip.incoming
+        # its job, so the sender must not retry it or count it failed. Still no fault, nothing reallocated; and
+        # ``held`` tells the sender its bytes delivered nothing (they count as undelivered, not as sent payload).
+        assert status(again) == ErrorCode.OK and again[0]["held"] is True
+        assert h.fault_log == [] and not h.gossip.incoming
 
     run(body())
 

@@ -253,8 +253,9 @@ class Gossip:
         t = validate_transfer(call.msg.fields, self.codec, self.max_body_bytes)
         if call.remote in self.mailbox.get(call.msg.round, {}):
             # We hold this payload already (we pulled it while this push was refused or retried): the push
-            # achieved what it is for, so it is answered OK, not refused, and the sender stops retrying.
-            await call.answer(ErrorCode.OK, pull=False)
+            # achieved what it is for, so it is answered OK, not refused, and the sender stops retrying. ``held``
+            # tells the sender that these bytes delivered nothing new (it counts them as undelivered).
+            await call.answer(ErrorCode.OK, pull=False, held=True)
             await call.link.discard()
             return
         await self._receive(call.remote, call.msg.round, t, call.link)
@@ -323,7 +324,7 @@ class Gossip:
         t0 = time.monotonic()
         by_lane: dict[int, list[int]] = {}  # bytes each stream put on the wire
 
-        async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool]:
+        async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool, bool]:
             link = await open_link(self.p2p, peer, self.handler, self.limits, "send", n)
             self.server.meters.append(link.meter)
             sent_here = by_lane[k] = [0]
@@ -341,12 +342,12 @@ class Gossip:
                     # The receiver may have answered early (a refusal) and closed: read its answer if it did.
                     with contextlib.suppress(Exception):
                         code, resp = await asyncio.wait_for(link.read_answer(), 2.0)
-                        return code, bool(resp.get("pull"))
+                        return code, bool(resp.get("pull")), bool(resp.get("held"))
                     if isinstance(e, ConnectionError) and sent_here[0] == 0:
                         raise _EarlyReset(str(e)) from None
                     raise
                 code, resp = await link.read_answer(extra_s=self.limits.request_timeout_s)
-                return code, bool(resp.get("pull"))
+                return code, bool(resp.get("pull")), bool(resp.get("held"))
             finally:
                 with contextlib.suppress(ValueError):
                     self.server.meters.remove(link.meter)
@@ -355,10 +356,11 @@ class Gossip:
         lanes = [idx for idx in lanes if idx]
         results = await asyncio.gather(*(lane(k, idx) for k, idx in enumerate(lanes)), return_exceptions=True)
         delivered: set[int] = set()
+        redundant: set[int] = set()  # streams answered "held already": their bytes delivered nothing new
         sent = sum(b[0] for b in by_lane.values())
         self.stats.bytes_sent += sent
         outcome: ErrorCode | str = ErrorCode.OK
-        for idx, r in zip(lanes, results):
+        for k, (idx, r) in enumerate(zip(lanes, results)):
             if isinstance(r, asyncio.CancelledError):
                 raise r
             if isinstance(r, Unreachable):
@@ -371,16 +373,18 @@ class Gossip:
                 log.info("push to %s failed: %s: %s", peer[-8:], type(r).__name__, r)
                 outcome = "cut" if outcome == ErrorCode.OK else outcome
             else:
-                code, pull = r
+                code, pull, held = r
                 if code == ErrorCode.OK:
                     delivered.update(idx)
+                if held:
+                    redundant.add(k)
                 if pull:
                     self.pull_hints[out.round].add(peer)
                 if code != ErrorCode.OK and outcome == ErrorCode.OK:
                     outcome = code
-        if outcome != ErrorCode.OK:  # what went out on streams that did not answer OK
-            self.stats.bytes_undelivered += sum(by_lane.get(k, [0])[0] for k, idx in enumerate(lanes)
-                                                if not set(idx) <= delivered)
+        # What went out on streams that did not answer OK, or whose parts the receiver held already.
+        self.stats.bytes_undelivered += sum(by_lane.get(k, [0])[0] for k, idx in enumerate(lanes)
+                                            if k in redundant or not set(idx) <= delivered)
         if outcome == ErrorCode.OK:
             dt = max(1e-3, time.monotonic() - t0)
             rate = sent / dt

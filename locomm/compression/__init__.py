@@ -58,19 +58,35 @@ def codec_class(name: str) -> type[Codec]:
     return getattr(importlib.import_module(mod), cls)  # type: ignore[no-any-return]
 
 
-def get_codec(name: str, **options: Any) -> Codec:
+def get_codec(name: str, impl: str = "auto", **options: Any) -> Codec:
     """Build a codec, or a stack for ``"a+b+..."`` (lossy stages first, lossless last).
 
     Options of a single codec are its constructor's keyword arguments. For a
     stack, pass ``{codec_name: {...}}`` per stage, or flat keywords, each of
     which goes to every stage whose constructor accepts it.
 
+    ``impl`` picks the implementation of every stage that has GPU kernels
+    (locomm/kernels): ``auto`` (Triton for CUDA tensors, the CPU code for CPU
+    tensors), ``cpu``, or ``triton`` (forced; CPU tensors need
+    ``TRITON_INTERPRET=1``). The wire bytes do not depend on it, and
+    ``decode(data, device=...)`` says where the result goes.
+
     Raises:
-        ValueError: unknown name, or an option no stage accepts.
+        ValueError: unknown name or impl, or an option no stage accepts.
     """
+    from locomm.kernels import check_impl
+
+    check_impl(impl)
     names = [n.strip() for n in name.split("+")]
+
+    def build(n: str, opts: dict[str, Any]) -> Codec:
+        cls = codec_class(n)
+        if "impl" in inspect.signature(cls.__init__).parameters:
+            opts = {"impl": impl, **opts}
+        return cls(**opts)
+
     if len(names) == 1:
-        return codec_class(names[0])(**options)
+        return build(names[0], dict(options))
     per_stage: dict[str, dict[str, Any]] = {n: {} for n in names}
     for key, value in options.items():
         if key in per_stage and isinstance(value, Mapping):
@@ -81,7 +97,7 @@ def get_codec(name: str, **options: Any) -> Codec:
             raise ValueError(f"no stage of {name!r} takes option {key!r}")
         for n in takers:
             per_stage[n][key] = value
-    return CodecStack([codec_class(n)(**per_stage[n]) for n in names])
+    return CodecStack([build(n, per_stage[n]) for n in names])
 
 
 def codec_for_role(role: TensorRole | str, mapping: Mapping[TensorRole | str, Any] | None = None) -> Codec:

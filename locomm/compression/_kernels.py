@@ -424,3 +424,146 @@ def decode_chunk(
     if (consumed + 7) // 8 != e3 - offsets[3]:
         return -3
     return 0
+
+
+# ------------------------------------------------------------------ segmented layout (lossless v2)
+#
+# The 4-lane layout above is one long dependency chain per quarter-chunk, which
+# a GPU cannot spread over thousands of threads. Version 2 cuts each chunk into
+# L = ceil(n / lane_syms) lanes, interleaved (element i belongs to lane i % L,
+# at step i // L), each its own MSB-first bit stream padded to a byte, with its
+# byte length in the chunk header. Thousands of lanes decode independently and
+# at each step neighbouring lanes touch neighbouring elements (coalesced on a
+# GPU, sequential on a CPU). The Triton kernels in locomm/kernels/lossless.py
+# write and read exactly these bytes. Codes are "full": a symbol without a code
+# is its escape code followed by its 8 bits, at most TABLE_BITS + 8 = 20 bits.
+
+
+@njit(cache=True, nogil=True)
+def split_raw(words: np.ndarray, s: int, nraw: int, raw: np.ndarray) -> None:  # pragma: no cover - jitted
+    """The raw plane: every word's bits but its 8-bit symbol, in ``nraw`` little-endian bytes."""
+    lowmask = np.uint32((1 << s) - 1)
+    for i in range(words.size):
+        w = np.uint32(words[i])
+        r = ((w >> (s + 8)) << s) | (w & lowmask)
+        if nraw == 1:
+            raw[i] = np.uint8(r)
+        else:
+            raw[3 * i] = np.uint8(r & 0xFF)
+            raw[3 * i + 1] = np.uint8((r >> 8) & 0xFF)
+            raw[3 * i + 2] = np.uint8((r >> 16) & 0xFF)
+
+
+@njit(cache=True, nogil=True)
+def seg_encode(
+    words: np.ndarray,
+    s: int,
+    nraw: int,
+    code_full: np.ndarray,
+    len_full: np.ndarray,
+    n_lanes: int,
+    sizes: np.ndarray,
+    stream: np.ndarray,
+    raw: np.ndarray,
+) -> int:  # pragma: no cover - jitted
+    """Code ``words`` as ``n_lanes`` interleaved lanes, one after another into ``stream``.
+
+    Fills ``sizes[l]`` (bytes of lane l) and ``raw``; returns the stream's
+    length. ``stream`` must hold ``ceil(20 n / 8) + n_lanes`` bytes (every code
+    is at most 20 bits). Lane by lane: strided reads, sequential writes, and
+    the bit accumulator stays in registers.
+    """
+    n = words.size
+    split_raw(words, s, nraw, raw)
+    p = 0
+    for l in range(min(n_lanes, n)):
+        start = p
+        acc = np.uint64(0)
+        nb = 0
+        for i in range(l, n, n_lanes):
+            sym = (np.uint32(words[i]) >> s) & np.uint32(0xFF)
+            ln = np.int64(len_full[sym])
+            acc = (acc << np.uint64(ln)) | np.uint64(code_full[sym])
+            nb += ln
+            if nb >= 32:
+                nb -= 32
+                v = acc >> np.uint64(nb)
+                stream[p] = np.uint8((v >> U24) & U255)
+                stream[p + 1] = np.uint8((v >> U16) & U255)
+                stream[p + 2] = np.uint8((v >> U8) & U255)
+                stream[p + 3] = np.uint8(v & U255)
+                p += 4
+        while nb > 0:
+            if nb >= 8:
+                nb -= 8
+                stream[p] = np.uint8((acc >> np.uint64(nb)) & U255)
+            else:
+                stream[p] = np.uint8((acc << np.uint64(8 - nb)) & U255)
+                nb = 0
+            p += 1
+        sizes[l] = p - start
+    return p
+
+
+@njit(cache=True, nogil=True)
+def seg_decode(
+    stream: np.ndarray,
+    offsets: np.ndarray,
+    raw: np.ndarray,
+    s: int,
+    nraw: int,
+    n_lanes: int,
+    table: np.ndarray,
+    out: np.ndarray,
+) -> int:  # pragma: no cover - jitted
+    """Decode ``out.size`` symbols from ``n_lanes`` interleaved lane streams and merge them with ``raw``.
+
+    Memory-safe for any input: reads past a lane's end see zeros, table
+    indices are 12-bit by construction. Returns 0, or -1 (invalid code), -2
+    (a lane ran past its end), -3 (a lane has unread bytes), as
+    :func:`decode_chunk` does. Lane by lane, with a 64-bit bit buffer.
+    """
+    n = out.size
+    lowmask = np.uint32((1 << s) - 1)
+    for l in range(min(n_lanes, n)):
+        base = offsets[l]
+        end = offsets[l + 1]
+        p = base
+        acc = np.uint64(0)
+        nb = 0
+        for i in range(l, n, n_lanes):
+            if nb < 32:
+                if p + 4 <= end:
+                    acc = ((acc << U32) | (np.uint64(stream[p]) << U24) | (np.uint64(stream[p + 1]) << U16)
+                           | (np.uint64(stream[p + 2]) << U8) | np.uint64(stream[p + 3]))
+                else:  # past the lane's end: shift in zeros (reported as an overrun below)
+                    for j in range(4):
+                        c = np.uint64(0)
+                        if p + j < end:
+                            c = np.uint64(stream[p + j])
+                        acc = (acc << U8) | c
+                p += 4
+                nb += 32
+            t = table[(acc >> np.uint64(nb - 12)) & TMASK]
+            ln = np.int64(t & 15)
+            if ln == 0:
+                return -1
+            nb -= ln
+            sym = np.uint32(t >> 4)
+            if sym == 256:  # 8 literal bits follow (nb >= 20 here)
+                sym = np.uint32((acc >> np.uint64(nb - 8)) & U255)
+                nb -= 8
+            if nraw == 1:
+                r = np.uint32(raw[i])
+            else:
+                r = np.uint32(raw[3 * i]) | (np.uint32(raw[3 * i + 1]) << 8) | (np.uint32(raw[3 * i + 2]) << 16)
+            out[i] = ((r >> s) << (s + 8)) | (sym << s) | (r & lowmask)
+        consumed = (p - base) * 8 - nb
+        if consumed > (end - base) * 8:
+            return -2
+        if (consumed + 7) // 8 != end - base:
+            return -3
+    for l in range(min(n_lanes, n), n_lanes):  # lanes with no element must be empty
+        if offsets[l + 1] != offsets[l]:
+            return -3
+    return 0

@@ -35,7 +35,8 @@ class CastCodec(PartsCodec):
     def encode_parts(self, x: torch.Tensor, **context: Any) -> tuple[bytes, list[torch.Tensor]]:
         if not x.is_floating_point():
             raise TypeError(f"cast codec needs a float tensor, got {x.dtype}")
-        return b"", [x.detach().to("cpu", self.dtype).contiguous()]
+        # On the tensor's own device: a CUDA tensor is cast there, and the next stage (or serialisation) moves it.
+        return b"", [x.detach().to(self.dtype).contiguous()]
 
     def decode_parts(self, meta: memoryview, parts: list[torch.Tensor], **context: Any) -> torch.Tensor:
         if len(meta) != 0 or len(parts) != 1:

@@ -21,8 +21,23 @@ per symbol) chosen per chunk from:
 Wire format (little-endian)::
 
     "LCLS" | version u8 | dtype u8 | ndim u8 | shape u64*ndim | chunk_elems u32
+    [version 2: lane_syms u32]
     then per chunk: chunk_len u32 | mode u8 | mode header | stream | raw plane
     then crc32 u32 over everything before it
+
+Two layouts of a coded chunk's stream, told apart by the version byte:
+
+- version 1 (``layout="lanes"``): 4 lane streams (contiguous quarters), their
+  byte sizes as u32 after the mode header. Fast on one CPU core, but one long
+  dependency chain per quarter: a GPU cannot decode it in parallel.
+- version 2 (``layout="segments"``, the default): L = ceil(n / lane_syms)
+  interleaved lanes (element i is in lane i % L), each an MSB-first stream
+  padded to a byte, sizes as u16 after the mode header. CPU (numba) and GPU
+  (Triton, locomm/kernels/lossless.py) encoders write the same bytes, and
+  thousands of lanes decode independently.
+
+``CONST`` and ``STORED`` chunks are the same in both versions. Every version
+stays decodable.
 
 Chunks are independent, so they are coded and decoded in parallel
 (``threads``) and a sender can stream them (:meth:`LosslessCodec.iter_encode`).
@@ -37,7 +52,7 @@ import math
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -45,7 +60,6 @@ import torch
 from locomm.compression import _huffman as hf
 from locomm.compression import _kernels as kn
 from locomm.compression.base import (
-    WIRE_VERSION,
     Codec,
     CodecError,
     Reader,
@@ -61,6 +75,14 @@ MODE_STORED, MODE_CONST, MODE_MODEL, MODE_EMPIRICAL = 0, 1, 2, 3
 
 MAX_CHUNK_ELEMS = 1 << 26
 """Upper bound on ``chunk_elems`` so a chunk's byte length fits its u32 prefix."""
+
+VERSION_LANES, VERSION_SEGMENTS = 1, 2
+"""Version byte of the two stream layouts (the 4-lane one is the original wire version 1)."""
+
+MAX_LANE_SYMS = 1 << 14
+"""Upper bound on ``lane_syms``: a lane's byte size (at most 20 bits a symbol) fits its u16."""
+
+LAYOUTS = {"lanes": VERSION_LANES, "segments": VERSION_SEGMENTS}
 
 
 class _Layout:
@@ -133,12 +155,31 @@ class LosslessCodec(Codec):
             ``"empirical"`` to force one table kind (benchmarks, tests).
         gap_bits: per-symbol excess of the model's cross-entropy over the
             chunk's entropy above which the empirical table is tried.
+        layout: ``"segments"`` (version 2, default: CPU and GPU speak it) or
+            ``"lanes"`` (version 1, CPU only). Decoding reads both.
+        lane_syms: symbols per lane of the segmented layout (at most
+            :data:`MAX_LANE_SYMS`); more lanes decode more in parallel and cost
+            ~3 bytes of header and padding each.
+        impl: ``"auto"`` (Triton kernels for CUDA tensors, numba for CPU
+            tensors), ``"cpu"`` or ``"triton"`` (forced; on CPU tensors it needs
+            ``TRITON_INTERPRET=1``). Same bytes either way.
     """
 
     name: ClassVar[str] = "lossless"
     lossless: ClassVar[bool] = True
 
-    def __init__(self, chunk_elems: int = 1 << 20, threads: int = 1, table: str = "auto", gap_bits: float = 0.02) -> None:
+    def __init__(self, chunk_elems: int = 1 << 20, threads: int = 1, table: str = "auto", gap_bits: float = 0.02,
+                 layout: str = "segments", lane_syms: int = 1024, impl: str = "auto") -> None:
+        from locomm.kernels import check_impl
+
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if not 1 <= lane_syms <= MAX_LANE_SYMS:
+            raise ValueError(f"lane_syms must be in [1, {MAX_LANE_SYMS}], got {lane_syms}")
+        self.layout = layout
+        self.version = LAYOUTS[layout]
+        self.lane_syms = int(lane_syms)
+        self.impl = check_impl(impl)
         if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
             raise ValueError(f"chunk_elems must be in [1, {MAX_CHUNK_ELEMS}], got {chunk_elems}")
         if threads < 1:
@@ -151,7 +192,8 @@ class LosslessCodec(Codec):
         self.gap_bits = float(gap_bits)
 
     def __repr__(self) -> str:
-        return f"LosslessCodec(chunk_elems={self.chunk_elems}, threads={self.threads}, table={self.table!r})"
+        return (f"LosslessCodec(chunk_elems={self.chunk_elems}, threads={self.threads}, table={self.table!r}, "
+                f"layout={self.layout!r}, impl={self.impl!r})")
 
     # ------------------------------------------------------------------ encode
 
@@ -161,60 +203,92 @@ class LosslessCodec(Codec):
     def iter_encode(self, x: torch.Tensor) -> Iterator[bytes | memoryview]:
         """The payload as a sequence of pieces (header, chunks, CRC) for streaming.
 
-        ``b"".join(codec.iter_encode(x)) == codec.encode(x)``.
+        ``b"".join(codec.iter_encode(x)) == codec.encode(x)``. A CUDA tensor
+        (or ``impl="triton"``) is coded by the Triton kernels where it lies
+        and comes back as one piece.
         """
         if x.dtype not in _LAYOUTS:
             raise TypeError(f"lossless codes bfloat16, float16 and float32 tensors, got {x.dtype}")
+        from locomm.kernels import resolve_impl
+
+        if self.version == VERSION_SEGMENTS and resolve_impl(self.impl, x.device) == "triton":
+            from locomm.kernels import lossless as kl
+
+            yield kl.encode(self, x)
+            return
         layout = _LAYOUTS[x.dtype]
         x = x.detach().to("cpu").contiguous()
         words = layout.words_of(x)
-        w = Writer()
-        w.raw(MAGIC + bytes([WIRE_VERSION]))
-        w.u8(dtype_code(x.dtype))
-        w.shape(x.shape)
-        w.u32(self.chunk_elems)
-        head = w.getvalue()
+        head = self.header(x.dtype, x.shape)
         crc = zlib.crc32(head)
         yield head
         starts = range(0, words.size, self.chunk_elems)
         chunks = (words[i : i + self.chunk_elems] for i in starts)
+        enc = self._encode_chunk if self.version == VERSION_LANES else self._encode_chunk_v2
         if self.threads > 1 and len(starts) > 1:
-            results: Iterator[list[bytes | memoryview]] = _pool(self.threads).map(
-                functools.partial(self._encode_chunk, layout), chunks
-            )
+            results: Iterator[list[bytes | memoryview]] = _pool(self.threads).map(functools.partial(enc, layout), chunks)
         else:
-            results = (self._encode_chunk(layout, c) for c in chunks)
+            results = (enc(layout, c) for c in chunks)
         for pieces in results:
             for p in pieces:
                 crc = zlib.crc32(p, crc)
                 yield p
         yield struct.pack("<I", crc)
 
+    def header(self, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bytes:
+        """The payload's fixed header (magic, version, dtype, shape, chunk size[, lane size])."""
+        w = Writer()
+        w.raw(MAGIC + bytes([self.version]))
+        w.u8(dtype_code(dtype))
+        w.shape(shape)
+        w.u32(self.chunk_elems)
+        if self.version == VERSION_SEGMENTS:
+            w.u32(self.lane_syms)
+        return w.getvalue()
+
+    def n_lanes(self, n: int) -> int:
+        """Lanes of an ``n``-element chunk in the segmented layout."""
+        return max(1, -(-n // self.lane_syms))
+
     def _choose(self, layout: _Layout, words: np.ndarray) -> tuple[int, hf.Table | None, bytes, np.ndarray]:
-        """Pick the chunk's mode: (mode, table, mode header bytes, lane stream sizes)."""
+        """Pick a version-1 chunk's mode: (mode, table, mode header bytes, lane stream sizes)."""
         n = words.size
         lane_hist = np.zeros((kn.LANES, 256), dtype=np.int64)
         kn.lane_hist(words, layout.s, lane_hist)
-        sym_hist = lane_hist.sum(axis=0)
+        mode, table, head = self.pick(layout, lane_hist.sum(axis=0), n, 32 * kn.LANES)
+        if mode == MODE_CONST:
+            return mode, None, head, np.zeros(kn.LANES, dtype=np.int64)
+        if mode == MODE_STORED:
+            return mode, _IDENTITY, head, np.array([hi - lo for lo, hi in kn.lane_bounds(n)], dtype=np.int64)
+        assert table is not None
+        return mode, table, head, self._lane_bytes(table, lane_hist)
+
+    def pick(self, layout: _Layout, sym_hist: np.ndarray, n: int, lanes_bits: int) -> tuple[int, hf.Table | None, bytes]:
+        """A chunk's mode from its symbol histogram alone: (mode, table, mode header bytes).
+
+        ``lanes_bits`` is what a coded chunk's lane sizes (and padding) cost
+        on top of the codes. A pure function of integers, so every
+        implementation (numba, Triton) that counts the same histogram makes
+        the same choice and writes the same bytes.
+        """
         used = np.nonzero(sym_hist)[0]
         if len(used) == 1:
-            return MODE_CONST, None, bytes([int(used[0])]), np.zeros(kn.LANES, dtype=np.int64)
-        lane_counts = np.array([hi - lo for lo, hi in kn.lane_bounds(n)], dtype=np.int64)
-        best: tuple[int, hf.Table | None, bytes, np.ndarray] = (MODE_STORED, _IDENTITY, b"", lane_counts)
+            return MODE_CONST, None, bytes([int(used[0])])
+        best: tuple[int, hf.Table | None, bytes] = (MODE_STORED, _IDENTITY, b"")
         best_bits = 8 * n
         model: hf.Table | None = None
         if self.table != "empirical":
             found = self._fit_sigma(layout, sym_hist)
             if found is not None:
                 q, model, bits = found
-                if bits + 32 + 32 * kn.LANES < best_bits:
-                    best_bits = bits + 32 + 32 * kn.LANES
-                    best = (MODE_MODEL, model, struct.pack("<f", hf.q_to_sigma(q)), self._lane_bytes(model, lane_hist))
+                if bits + 32 + lanes_bits < best_bits:
+                    best_bits = bits + 32 + lanes_bits
+                    best = (MODE_MODEL, model, struct.pack("<f", hf.q_to_sigma(q)))
         if self.table == "empirical" or (self.table == "auto" and self._gap_too_big(sym_hist, model, n)):
             table = hf.empirical_table(sym_hist)
-            bits = table.cost_bits(sym_hist) + 8 * hf.PACKED_LENGTHS_BYTES + 32 * kn.LANES
+            bits = table.cost_bits(sym_hist) + 8 * hf.PACKED_LENGTHS_BYTES + lanes_bits
             if bits < best_bits:
-                best = (MODE_EMPIRICAL, table, hf.pack_lengths(table.lengths), self._lane_bytes(table, lane_hist))
+                best = (MODE_EMPIRICAL, table, hf.pack_lengths(table.lengths))
         return best
 
     @staticmethod
@@ -249,10 +323,13 @@ class LosslessCodec(Codec):
         entropy_bits = float(-(h * np.log2(h / n)).sum())
         return model.cross_entropy_bits(sym_hist) - entropy_bits > self.gap_bits * n
 
-    def _encode_chunk(self, layout: _Layout, words: np.ndarray) -> list[bytes | memoryview]:
+    def _encode_chunk(self, layout: _Layout, words: np.ndarray,
+                      choice: tuple[int, hf.Table | None, bytes, np.ndarray | None] | None = None) -> list[bytes | memoryview]:
         n = words.size
-        mode, table, mode_head, lane_bytes = self._choose(layout, words)
+        mode, table, mode_head, lane_bytes = self._choose(layout, words) if choice is None else choice
         raw = np.empty(n * layout.nraw, dtype=np.uint8)
+        if mode == MODE_STORED and lane_bytes is None:
+            lane_bytes = np.array([hi - lo for lo, hi in kn.lane_bounds(n)], dtype=np.int64)
         if mode == MODE_CONST:
             # the kernel still splits off the raw bits; its (identity) stream is discarded
             table = _IDENTITY
@@ -273,9 +350,54 @@ class LosslessCodec(Codec):
         total = sum(len(b) for b in body)
         return [struct.pack("<I", total), *body]
 
+    def _encode_chunk_v2(self, layout: _Layout, words: np.ndarray) -> list[bytes | memoryview]:
+        n = words.size
+        lane_hist = np.zeros((kn.LANES, 256), dtype=np.int64)
+        kn.lane_hist(words, layout.s, lane_hist)
+        n_lanes = self.n_lanes(n)
+        mode, table, mode_head = self.pick(layout, lane_hist.sum(axis=0), n, 24 * n_lanes)
+        if mode in (MODE_CONST, MODE_STORED):  # the same bytes in both versions
+            return self._encode_chunk(layout, words, (mode, table, mode_head, None))
+        assert table is not None
+        code_full, len_full = full_codes(table)
+        sizes = np.zeros(n_lanes, dtype=np.int64)
+        stream = np.empty(-(-20 * n // 8) + n_lanes, dtype=np.uint8)
+        raw = np.empty(n * layout.nraw, dtype=np.uint8)
+        used = kn.seg_encode(words, layout.s, layout.nraw, code_full, len_full, n_lanes, sizes, stream, raw)
+        body = [bytes([mode]) + mode_head + sizes.astype("<u2").tobytes(), memoryview(stream)[:used], memoryview(raw)]
+        total = sum(len(b) for b in body)
+        return [struct.pack("<I", total), *body]
+
     # ------------------------------------------------------------------ decode
 
-    def decode(self, data: bytes | bytearray | memoryview, **context: Any) -> torch.Tensor:
+    def decode(self, data: bytes | bytearray | memoryview, device: str | torch.device | None = None,
+               **context: Any) -> torch.Tensor:
+        """Decode a payload of either version onto ``device`` (default CPU).
+
+        A version-2 payload decoded onto a CUDA device (or with
+        ``impl="triton"``) runs the Triton kernels there; version 1 decodes on
+        the CPU and is then moved.
+        """
+        from locomm.kernels import resolve_impl
+
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        fast = resolve_impl(self.impl, dev) == "triton"
+        p = self.parse(data, check_crc=not fast)  # the Triton path checks the CRC on the device
+        if fast and p.version == VERSION_SEGMENTS:
+            from locomm.kernels import lossless as kl
+
+            return kl.decode(p, dev)
+        if fast:
+            _check_crc(p.mv)
+        out = self._decode_cpu(p)
+        return out if dev.type == "cpu" else out.to(dev)
+
+    def parse(self, data: bytes | bytearray | memoryview, check_crc: bool = True) -> "Parsed":
+        """Check a payload's frame and header and split it into chunks (nothing decoded yet).
+
+        With ``check_crc=False`` the caller checks the CRC itself (before it
+        returns anything); every read here is bounds-checked either way.
+        """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise CodecError(f"payload must be bytes-like, got {type(data).__name__}")
         mv = memoryview(data).cast("B")
@@ -283,11 +405,11 @@ class LosslessCodec(Codec):
             raise CodecError(f"payload too short ({len(mv)} bytes)")
         if bytes(mv[:4]) != MAGIC:
             raise CodecError(f"bad magic {bytes(mv[:4])!r}, expected {MAGIC!r}")
-        if mv[4] != WIRE_VERSION:
-            raise CodecError(f"unsupported wire version {mv[4]}")
-        (crc,) = struct.unpack("<I", mv[-4:])
-        if zlib.crc32(mv[:-4]) != crc:
-            raise CodecError("checksum mismatch: payload corrupted or truncated")
+        version = mv[4]
+        if version not in (VERSION_LANES, VERSION_SEGMENTS):
+            raise CodecError(f"unsupported wire version {version}")
+        if check_crc:
+            _check_crc(mv)
         r = Reader(mv, 5, len(mv) - 4)
         dtype = code_dtype(r.u8())
         if dtype not in _LAYOUTS:
@@ -298,6 +420,11 @@ class LosslessCodec(Codec):
         chunk_elems = r.u32()
         if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
             raise CodecError(f"bad chunk size {chunk_elems}")
+        lane_syms = 0
+        if version == VERSION_SEGMENTS:
+            lane_syms = r.u32()
+            if not 1 <= lane_syms <= MAX_LANE_SYMS:
+                raise CodecError(f"bad lane size {lane_syms}")
         # Every element costs at least nraw bytes: refuse sizes the payload cannot hold
         # before allocating the output.
         if numel * layout.nraw > r.remaining:
@@ -310,60 +437,148 @@ class LosslessCodec(Codec):
             r.take(ln)
             spans.append((c * chunk_elems, start, start + ln))
         r.expect_end()
-        out = torch.empty(numel, dtype=torch.int16 if layout.word.itemsize == 2 else torch.int32)
-        out_words = out.numpy().view(layout.word)
+        return Parsed(mv, version, dtype, layout, shape, numel, chunk_elems, lane_syms, spans)
 
-        def one(span: tuple[int, int, int]) -> None:
-            first, b0, b1 = span
-            n = min(chunk_elems, numel - first)
-            self._decode_chunk(layout, Reader(mv, b0, b1), out_words[first : first + n])
-
-        if self.threads > 1 and n_chunks > 1:
-            list(_pool(self.threads).map(one, spans))
-        else:
-            for sp in spans:
-                one(sp)
-        return out.view(dtype).reshape(shape)
-
-    def _decode_chunk(self, layout: _Layout, r: Reader, out: np.ndarray) -> None:
-        n = out.size
+    def chunk(self, p: "Parsed", c: int) -> "Chunk":
+        """Parse chunk ``c``'s header: mode, table, lane and raw-plane positions (absolute in the payload)."""
+        first, b0, b1 = p.spans[c]
+        n = min(p.chunk_elems, p.numel - first)
+        layout = p.layout
+        r = Reader(p.mv, b0, b1)
         mode = r.u8()
         if mode == MODE_CONST:
             sym = r.u8()
-            raw = r.array(n * layout.nraw, np.uint8)
+            raw0 = r.pos
+            r.take(n * layout.nraw)
             r.expect_end()
+            return Chunk(mode, first, n, None, sym, np.zeros(1, dtype=np.int64), raw0)
+        if mode == MODE_STORED:
+            s0 = r.pos
+            r.take(n)
+            raw0 = r.pos
+            r.take(n * layout.nraw)
+            r.expect_end()
+            return Chunk(mode, first, n, _IDENTITY, 0, np.array([s0, raw0], dtype=np.int64), raw0)
+        if mode not in (MODE_MODEL, MODE_EMPIRICAL):
+            raise CodecError(f"unknown chunk mode {mode}")
+        if mode == MODE_MODEL:
+            sigma = r.f32()
+            if not (math.isfinite(sigma) and sigma > 0):
+                raise CodecError(f"bad model sigma {sigma}")
+            q = hf.sigma_to_q(sigma)
+            if not hf.Q_MIN <= q <= hf.Q_MAX or hf.q_to_sigma(q) != sigma:
+                raise CodecError(f"model sigma {sigma} is not a quantized value")
+            table = hf.model_table(layout.kind, q)
+        else:
+            table = hf.Table(hf.unpack_lengths(r.take(hf.PACKED_LENGTHS_BYTES)))
+        if p.version == VERSION_LANES:
+            sizes = np.array([r.u32() for _ in range(kn.LANES)], dtype=np.int64)
+        else:
+            sizes = r.array(max(1, -(-n // p.lane_syms)), np.dtype("<u2")).astype(np.int64)
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        offsets[0] = r.pos
+        offsets[1:] = r.pos + np.cumsum(sizes)
+        r.take(int(offsets[-1] - offsets[0]))
+        raw0 = r.pos
+        r.take(n * layout.nraw)
+        r.expect_end()
+        return Chunk(mode, first, n, table, 0, offsets, raw0)
+
+    def _decode_cpu(self, p: "Parsed") -> torch.Tensor:
+        layout = p.layout
+        out = torch.empty(p.numel, dtype=torch.int16 if layout.word.itemsize == 2 else torch.int32)
+        out_words = out.numpy().view(layout.word)
+        buf = np.frombuffer(p.mv, dtype=np.uint8)
+
+        def one(c: int) -> None:
+            ch = self.chunk(p, c)
+            self._decode_chunk(p, ch, buf, out_words[ch.first : ch.first + ch.n])
+
+        if self.threads > 1 and len(p.spans) > 1:
+            list(_pool(self.threads).map(one, range(len(p.spans))))
+        else:
+            for c in range(len(p.spans)):
+                one(c)
+        return out.view(p.dtype).reshape(p.shape)
+
+    @staticmethod
+    def _decode_chunk(p: "Parsed", ch: "Chunk", buf: np.ndarray, out: np.ndarray) -> None:
+        n, layout = ch.n, p.layout
+        raw = buf[ch.raw0 : ch.raw0 + n * layout.nraw]
+        if ch.mode == MODE_CONST:
             if layout.nraw == 1:
                 rv = raw.astype(np.uint32)
             else:
-                rv = np.zeros(n, dtype=np.uint32)
                 b = raw.reshape(n, 3).astype(np.uint32)
                 rv = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
             s = layout.s
-            out[:] = (((rv >> s) << (s + 8)) | (sym << s) | (rv & layout.lowmask)).astype(layout.word)
+            out[:] = (((rv >> s) << (s + 8)) | (ch.sym << s) | (rv & layout.lowmask)).astype(layout.word)
             return
-        if mode == MODE_STORED:
-            table = _IDENTITY
-            lane_bytes = [hi - lo for lo, hi in kn.lane_bounds(n)]
-        elif mode in (MODE_MODEL, MODE_EMPIRICAL):
-            if mode == MODE_MODEL:
-                sigma = r.f32()
-                if not (math.isfinite(sigma) and sigma > 0):
-                    raise CodecError(f"bad model sigma {sigma}")
-                q = hf.sigma_to_q(sigma)
-                if not hf.Q_MIN <= q <= hf.Q_MAX or hf.q_to_sigma(q) != sigma:
-                    raise CodecError(f"model sigma {sigma} is not a quantized value")
-                table = hf.model_table(layout.kind, q)
-            else:
-                table = hf.Table(hf.unpack_lengths(r.take(hf.PACKED_LENGTHS_BYTES)))
-            lane_bytes = [r.u32() for _ in range(kn.LANES)]
+        assert ch.table is not None
+        o = ch.offsets
+        stream = buf[o[0] : o[-1]]
+        rel = o - o[0]
+        if ch.mode == MODE_STORED or p.version == VERSION_LANES:
+            if ch.mode == MODE_STORED:
+                rel = np.zeros(kn.LANES + 1, dtype=np.int64)
+                rel[1:] = np.cumsum([hi - lo for lo, hi in kn.lane_bounds(n)])
+            rc = kn.decode_chunk(stream, rel, raw, layout.s, layout.nraw, ch.table.dec, out)
         else:
-            raise CodecError(f"unknown chunk mode {mode}")
-        offsets = np.zeros(kn.LANES + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum(lane_bytes)
-        stream = r.array(int(offsets[-1]), np.uint8)
-        raw = r.array(n * layout.nraw, np.uint8)
-        r.expect_end()
-        rc = kn.decode_chunk(stream, offsets, raw, layout.s, layout.nraw, table.dec, out)
+            rc = kn.seg_decode(stream, rel, raw, layout.s, layout.nraw, len(rel) - 1, ch.table.dec, out)
         if rc != 0:
-            raise CodecError({-1: "invalid code in stream", -2: "coded stream truncated",
-                              -3: "trailing bytes after coded stream"}.get(rc, f"decoder error {rc}"))
+            raise CodecError(DECODE_ERRORS.get(rc, f"decoder error {rc}"))
+
+
+def _check_crc(mv: memoryview) -> None:
+    (crc,) = struct.unpack("<I", mv[-4:])
+    if zlib.crc32(mv[:-4]) != crc:
+        raise CodecError("checksum mismatch: payload corrupted or truncated")
+
+
+DECODE_ERRORS = {-1: "invalid code in stream", -2: "coded stream truncated", -3: "trailing bytes after coded stream"}
+
+
+class Parsed(NamedTuple):
+    """A checked payload, split into chunk spans (see :meth:`LosslessCodec.parse`)."""
+
+    mv: memoryview
+    version: int
+    dtype: torch.dtype
+    layout: _Layout
+    shape: tuple[int, ...]
+    numel: int
+    chunk_elems: int
+    lane_syms: int
+    spans: list[tuple[int, int, int]]
+
+
+class Chunk(NamedTuple):
+    """One chunk's header (see :meth:`LosslessCodec.chunk`); byte positions are absolute."""
+
+    mode: int
+    first: int
+    n: int
+    table: hf.Table | None
+    sym: int  # CONST: the symbol
+    offsets: np.ndarray  # coded: lane stream bounds (L + 1); STORED: [symbols, raw]
+    raw0: int
+
+
+@functools.lru_cache(maxsize=512)
+def _full_codes_cached(key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    table = hf.Table(np.frombuffer(key, dtype=np.int64).copy())
+    codes = table.enc_codes.astype(np.uint32)
+    lens = table.enc_lens.astype(np.uint8)
+    esc = lens == 0
+    codes = np.where(esc, (np.uint32(table.esc_code) << np.uint32(8)) | np.arange(256, dtype=np.uint32), codes)
+    lens = np.where(esc, np.uint8(table.esc_len + 8), lens)
+    return codes.astype(np.uint32), lens.astype(np.uint8)
+
+
+def full_codes(table: hf.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Per-symbol (code, length) with escapes folded in: ESC code then the symbol's 8 bits (<= 20 bits).
+
+    Only valid for tables whose every symbol is coded or escapable (model
+    tables have an escape, empirical ones code every used symbol).
+    """
+    return _full_codes_cached(table.lengths.astype(np.int64).tobytes())

@@ -76,13 +76,20 @@ class SubspaceCodec(PartsCodec):
         fixed_std: standard deviation of E_f.
         kind: ``"activation"`` (subtract/add E_f[tok]) or ``"gradient"`` (no offset).
         include_tokens: put token ids in the payload.
+        impl: ``"auto"`` (the fused Triton kernels for CUDA tensors), ``"cpu"``
+            or ``"triton"``. ``decode(..., device=)`` says where h is rebuilt.
     """
 
     name: ClassVar[str] = "subspace"
     magic: ClassVar[bytes] = b"LCSS"
 
     def __init__(self, d: int, vocab_size: int, k: int | None = None, rate: int | None = None, seed: int = 0,
-                 fixed_std: float = 0.02, kind: str = "activation", include_tokens: bool = True) -> None:
+                 fixed_std: float = 0.02, kind: str = "activation", include_tokens: bool = True,
+                 impl: str = "auto") -> None:
+        from locomm.kernels import check_impl
+
+        self.impl = check_impl(impl)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
         if k is not None and rate is not None:
             raise ValueError("give k or rate, not both")
         if k is None:
@@ -103,24 +110,41 @@ class SubspaceCodec(PartsCodec):
     def encode_parts(self, x: torch.Tensor, tokens: torch.Tensor | None = None, **context: Any) -> tuple[bytes, list[torch.Tensor]]:
         if not x.is_floating_point() or x.ndim < 1 or x.shape[-1] != self.d:
             raise ValueError(f"expected a float tensor (..., {self.d}), got {x.dtype} {tuple(x.shape)}")
-        h = x.detach().to("cpu", torch.float32)
+        from locomm.kernels import resolve_impl
+
+        fast = resolve_impl(self.impl, x.device) == "triton"
+        h = x.detach() if fast else x.detach().to("cpu", torch.float32)
         w = Writer()
         w.u32(self.fingerprint)
         w.u8(dtype_code(x.dtype))
         w.shape(x.shape)
         if self.kind == "activation":
             tok = self._check_tokens(tokens, x.shape[:-1], ValueError)
-            h = h - self.E_f[tok]
             w.u8(1 if self.include_tokens else 0)
             if self.include_tokens:
                 w.raw(tok.to(torch.int32).contiguous().numpy().tobytes())
+            if not fast:
+                h = h - self.E_f[tok]
         else:
+            tok = None
             w.u8(0)
-        z = h @ self.U  # (..., k)
+        if fast:
+            from locomm.kernels import subspace as ks
+
+            U, E_f = self.on_device(h.device)
+            z = ks.compress(h, U, E_f, None if tok is None else tok.to(h.device))
+        else:
+            z = h @ self.U  # (..., k)
         return w.getvalue(), [z.contiguous()]
 
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """U and E_f on ``device`` (copied once per device)."""
+        if device not in self._on_device:
+            self._on_device[device] = (self.U.to(device), None if self.E_f is None else self.E_f.to(device))
+        return self._on_device[device]
+
     def decode_parts(self, meta: memoryview, parts: list[torch.Tensor], tokens: torch.Tensor | None = None,
-                     **context: Any) -> torch.Tensor:
+                     device: str | torch.device | None = None, **context: Any) -> torch.Tensor:
         r = Reader(meta)
         if r.u32() != self.fingerprint:
             raise CodecError("subspace payload was made with a different basis (d, k, V, seed or std)")
@@ -140,14 +164,25 @@ class SubspaceCodec(PartsCodec):
         z = check_part(parts, 0, (*lead, self.k))
         if len(parts) != 1 or not z.is_floating_point():
             raise CodecError("subspace payload must hold exactly one float part")
-        h = z.float() @ self.U.T  # (..., d)
         if self.kind == "activation":
             if not has_tokens:
                 tok = self._check_tokens(tokens, lead, CodecError)
             elif bool(((tok < 0) | (tok >= self.vocab_size)).any()):
                 raise CodecError("token id out of range")
+        from locomm.kernels import resolve_impl
+
+        dev = z.device if device is None else torch.device(device)
+        if resolve_impl(self.impl, dev) == "triton":
+            from locomm.kernels import subspace as ks
+
+            U, E_f = self.on_device(dev)
+            tk = tok.to(dev) if self.kind == "activation" else None
+            return ks.decompress(z.to(dev), U, E_f, tk, out_dtype=dtype)
+        h = z.to("cpu").float() @ self.U.T  # (..., d)
+        if self.kind == "activation":
             h = h + self.E_f[tok]
-        return h.to(dtype)
+        h = h.to(dtype)
+        return h if dev.type == "cpu" else h.to(dev)
 
     def _check_tokens(self, tokens: torch.Tensor | None, lead: Sequence[int], err: type[Exception]) -> torch.Tensor:
         if tokens is None:
@@ -180,6 +215,7 @@ def project_onto_subspace_(
     wo_pattern: str | Sequence[str] = "*.attn.wo",
     w2_pattern: str | Sequence[str] = "*.mlp.w2",
     embed_name: str | None = "embed",
+    impl: str = "auto",
 ) -> list[str]:
     """Project every learned write into the residual stream onto span(U), in place.
 
@@ -189,17 +225,28 @@ def project_onto_subspace_(
     Call it once after init and after every optimizer step. Note: with tied
     input/output embeddings the output head is projected as well.
 
+    With ``impl`` auto, CUDA weights take the fused Triton kernel
+    (:func:`locomm.kernels.subspace.project_rows_`).
+
     Returns:
         The names of the projected modules.
 
     Raises:
         ValueError: no module matched the patterns.
     """
+    from locomm.kernels import resolve_impl
+
     done: list[str] = []
     for name, mod in model.named_modules():
         if _match(name, wo_pattern) or _match(name, w2_pattern):
             w = mod.weight
             u = U.to(w.device, torch.float32)
+            if resolve_impl(impl, w.device) == "triton" and getattr(mod, "bias", None) is None:
+                from locomm.kernels import subspace as ks
+
+                ks.project_rows_(w.t(), u.contiguous())  # columns of W are rows of W^T
+                done.append(name)
+                continue
             w.copy_((u @ (u.T @ w.float())).to(w.dtype))  # (d, k) @ (k, in)
             if getattr(mod, "bias", None) is not None:
                 mod.bias.copy_((u @ (u.T @ mod.bias.float())).to(mod.bias.dtype))
@@ -207,6 +254,12 @@ def project_onto_subspace_(
         elif embed_name is not None and name == embed_name:
             w = mod.weight
             u = U.to(w.device, torch.float32)
+            if resolve_impl(impl, w.device) == "triton":
+                from locomm.kernels import subspace as ks
+
+                ks.project_rows_(w, u.contiguous())
+                done.append(name)
+                continue
             w.copy_(((w.float() @ u) @ u.T).to(w.dtype))  # (V, d) @ (d, k) @ (k, d)
             done.append(name)
     if not done:

@@ -19,6 +19,13 @@ Choices (documented deviations from the paper's 64x64 tiles):
 - Wire size: 8 bits per selected element + a small header, so k = 1
   (1.56% density) is ~256x smaller than fp32 and k = 2 ~128x.
 
+- Selection is canonical, so every implementation writes the same bytes: the
+  k largest |e| of a chunk, ties to the lower index (NaN above infinity), sent
+  in ascending index order; the levels are computed in float64 and rounded to
+  float32 once. The Triton kernels (locomm/kernels/topk2bit.py) take this path
+  for CUDA tensors (or ``impl="triton"``); decoding is order-insensitive, so
+  payloads of earlier builds decode the same.
+
 The float payload is just the two levels, so ``topk2bit+lossless`` gains
 nothing over ``topk2bit``: the index/value bytes are close to uniform.
 :meth:`TopK2BitCodec.decode_sparse` returns (indices, values) for outer rules
@@ -47,13 +54,18 @@ class TopK2BitCodec(PartsCodec):
         beta: error-feedback decay (e = beta * e + x).
         error_feedback: keep the residual; False makes the codec stateless.
         max_numel: largest dense size ``decode`` accepts (bounds allocation).
+        impl: ``"auto"`` (Triton for CUDA tensors), ``"cpu"`` or ``"triton"``;
+            the error buffer lives on the encoded tensor's device.
     """
 
     name: ClassVar[str] = "topk2bit"
     magic: ClassVar[bytes] = b"LCTK"
 
     def __init__(self, k: int | None = None, density: float | None = None, beta: float = 0.95,
-                 error_feedback: bool = True, max_numel: int = MAX_SPARSE_NUMEL) -> None:
+                 error_feedback: bool = True, max_numel: int = MAX_SPARSE_NUMEL, impl: str = "auto") -> None:
+        from locomm.kernels import check_impl
+
+        self.impl = check_impl(impl)
         if k is not None and density is not None:
             raise ValueError("give k or density, not both")
         if density is not None:
@@ -82,12 +94,38 @@ class TopK2BitCodec(PartsCodec):
     def encode_parts(self, x: torch.Tensor, **context: Any) -> tuple[bytes, list[torch.Tensor]]:
         if not x.is_floating_point():
             raise TypeError(f"topk2bit needs a float tensor, got {x.dtype}")
+        from locomm.kernels import resolve_impl
+
+        n = x.numel()
+        k = min(self.k, CHUNK)
+        if self.error_feedback and self.error is not None and self.error.numel() != n:
+            raise ValueError(f"tensor has {n} elements, error buffer {self.error.numel()}")
+        fast = resolve_impl(self.impl, x.device) == "triton"
+        if self.error is not None:  # the buffer follows the implementation that uses it
+            self.error = self.error.to(x.device if fast else "cpu")
+        if fast:
+            from locomm.kernels import topk2bit as kt
+
+            if self.error_feedback and self.error is None:
+                self.error = torch.zeros(n, dtype=torch.float32, device=x.device)
+            packed_t, lo, hi = kt.encode(x, self.error if self.error_feedback else None, self.beta, k)
+            packed_bytes = packed_t.cpu().numpy().tobytes()  # the compressed bytes: 1 per selected element
+        else:
+            packed_bytes, lo, hi = self._encode_cpu(x, k)
+        w = Writer()
+        w.u8(dtype_code(x.dtype))
+        w.shape(x.shape)
+        w.u8(k)
+        w.f32(lo)
+        w.f32(hi)
+        w.raw(packed_bytes)
+        return w.getvalue(), []
+
+    def _encode_cpu(self, x: torch.Tensor, k: int) -> tuple[bytes, float, float]:
         flat = x.detach().to("cpu", torch.float32).reshape(-1)
         n = flat.numel()
         if self.error_feedback:
-            if self.error is None or self.error.numel() != n:
-                if self.error is not None:
-                    raise ValueError(f"tensor has {n} elements, error buffer {self.error.numel()}")
+            if self.error is None:
                 self.error = torch.zeros(n, dtype=torch.float32)
             e = self.error.mul_(self.beta).add_(flat)
         else:
@@ -96,11 +134,12 @@ class TopK2BitCodec(PartsCodec):
         padded = torch.zeros(n_chunks * CHUNK, dtype=torch.float32)
         padded[:n] = e
         tiles = padded.view(n_chunks, CHUNK)  # (C, 64)
-        k = min(self.k, CHUNK)
-        vals, idx = tiles.abs().topk(k, dim=1, sorted=False)  # (C, k)
+        idx = _canonical_topk(tiles.abs(), k)  # (C, k)
         sel = tiles.gather(1, idx)
+        vals = sel.abs()
         lo, hi = _two_levels(vals.reshape(-1))
-        mag_hi = vals >= (lo + hi) / 2 if hi > lo else torch.zeros_like(vals, dtype=torch.bool)
+        thr = torch.tensor((lo + hi) / 2, dtype=torch.float32)
+        mag_hi = vals >= thr if hi > lo else torch.zeros_like(vals, dtype=torch.bool)
         neg = sel < 0
         packed = (idx.to(torch.uint8) << 2) | (neg.to(torch.uint8) << 1) | mag_hi.to(torch.uint8)
         # Subtract exactly what the receiver will rebuild.
@@ -108,14 +147,7 @@ class TopK2BitCodec(PartsCodec):
         if self.error_feedback:
             tiles.scatter_add_(1, idx, -dhat)
             e.copy_(padded[:n])
-        w = Writer()
-        w.u8(dtype_code(x.dtype))
-        w.shape(x.shape)
-        w.u8(k)
-        w.f32(lo)
-        w.f32(hi)
-        w.raw(packed.numpy().tobytes())
-        return w.getvalue(), []
+        return packed.numpy().tobytes(), lo, hi
 
     def _parse(self, meta: memoryview, parts: list[torch.Tensor]) -> tuple[torch.dtype, tuple[int, ...], torch.Tensor, torch.Tensor]:
         r = Reader(meta)
@@ -140,10 +172,13 @@ class TopK2BitCodec(PartsCodec):
         keep = idx.reshape(-1) < n  # entries in the zero padding of the last chunk
         return dtype, shape, idx.reshape(-1)[keep], values.reshape(-1)[keep]
 
-    def decode_parts(self, meta: memoryview, parts: list[torch.Tensor], **context: Any) -> torch.Tensor:
+    def decode_parts(self, meta: memoryview, parts: list[torch.Tensor], device: str | torch.device | None = None,
+                     **context: Any) -> torch.Tensor:
+        """The dense tensor, built on ``device`` (default CPU)."""
         dtype, shape, idx, values = self._parse(meta, parts)
-        out = torch.zeros(numel_of(shape), dtype=torch.float32)
-        out.index_put_((idx,), values, accumulate=False)
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        out = torch.zeros(numel_of(shape), dtype=torch.float32, device=dev)
+        out.index_put_((idx.to(dev),), values.to(dev), accumulate=False)
         return out.reshape(shape).to(dtype)
 
     def decode_sparse(self, data: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
@@ -159,16 +194,42 @@ class TopK2BitCodec(PartsCodec):
         return idx, values, shape
 
 
+def _canonical_topk(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (C, k), ascending, of the k largest of each row of ``a`` (>= 0 or NaN): ties to the
+    lower index, every NaN above infinity. Rows without a tie at the k-th place take torch's
+    float top-k; the others rank |e| by its float bits made unique by the index."""
+    n_rows, width = a.shape
+    if k >= width:
+        return torch.arange(width).expand(n_rows, width).clone()
+    vals, idx = a.topk(k + 1, dim=1)  # sorted, descending
+    idx = idx[:, :k].clone()
+    tie = (vals[:, k - 1] == vals[:, k]) | vals[:, k - 1].isnan() | vals[:, k].isnan()
+    if bool(tie.any()):
+        rows = tie.nonzero().squeeze(1)
+        sub = a[rows]
+        key = sub.view(torch.int32).where(~sub.isnan(), 0x7FC00000).long() * width + (width - 1 - torch.arange(width))
+        idx[rows] = key.topk(k, dim=1).indices
+    return idx.sort(dim=1).values
+
+
 def _two_levels(mags: torch.Tensor) -> tuple[float, float]:
-    """Two magnitude levels by Lloyd's algorithm (2 iterations), as float32 values."""
+    """Two magnitude levels by Lloyd's algorithm (2 iterations), as float32 values.
+
+    Sums run in float64 on the tensor's device and are rounded to float32 once,
+    so the CPU and GPU paths agree on the levels (float64 rounding error stays
+    far below a float32 ulp).
+    """
     if mags.numel() == 0:
         return 0.0, 0.0
-    t = mags.mean()
+    m = mags.double()
+    t = m.mean()
     lo = hi = t
     for _ in range(2):
-        low, high = mags[mags < t], mags[mags >= t]
-        lo = low.mean() if low.numel() else t
-        hi = high.mean() if high.numel() else t
+        below = m < t
+        n_lo = below.sum()
+        n_hi = m.numel() - n_lo
+        lo = torch.where(n_lo > 0, torch.where(below, m, 0.0).sum() / n_lo.clamp_min(1), t)
+        hi = torch.where(n_hi > 0, torch.where(below, 0.0, m).sum() / n_hi.clamp_min(1), t)
         t = (lo + hi) / 2
     f = np.float32
     return float(f(lo.item())), float(f(hi.item()))

@@ -8,11 +8,17 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from locomm.config import ConfigError
+
 
 class Metrics:
-    """Gauges and counters of one node; served over HTTP when a port is given."""
+    """Gauges and counters of one node; served over HTTP when a port is given.
 
-    def __init__(self, port: int | None, peer: str) -> None:
+    ``host`` is the address the server binds: 127.0.0.1 by default (this machine only); 0.0.0.0 in a
+    container whose port is published.
+    """
+
+    def __init__(self, port: int | None, peer: str, host: str = "127.0.0.1") -> None:
         self.port: int | None = None
         self._server: Any = None
         if port is None:
@@ -33,7 +39,10 @@ class Metrics:
         }
         self._g = {key: Gauge(name, doc, registry=reg, labelnames=["peer"]).labels(peer=peer[-12:])
                    for key, (name, doc) in gauges.items()}
-        self._server, _ = start_http_server(port, addr="127.0.0.1", registry=reg)
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=reg)
+        except OSError as e:  # a bad address or a taken port: one line for the user, not a traceback
+            raise ConfigError(f"--metrics-host {host} --metrics-port {port}: cannot serve metrics: {e}") from None
         self.port = self._server.server_port
 
     def set(self, **values: float) -> None:

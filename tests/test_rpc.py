@@ -697,3 +697,36 @@ def test_chunked_decode_stays_inside_its_memory_bound():
     # The destination tensor (1x) plus a few parts in flight; buffering the encoded payload would be ~1.8x.
     assert r["growth"] <= 1.5 * r["payload"], r
     assert r["encoded"] > 0.5 * r["payload"], r  # the test would notice if the body were buffered whole
+
+
+def test_state_fetch_is_served_from_the_previous_snapshot_too(pool):
+    """A joiner whose download spans a round boundary finishes against the manifest it was given; a state
+    two snapshots old is NOT_READY ("moved on"), which is not a fault."""
+    from locomm.peer.state import Snapshot, StateServer
+    from locomm.protocol.messages import state_fetch_header
+
+    async def body():
+        h = Harness(pool)
+        states = [Snapshot.take(r, {"w": torch.full((3, 2), float(r))}) for r in range(3)]
+        server = StateServer(RUN)
+
+        async def fetch(snap: Snapshot) -> tuple[dict, bytes]:
+            reader = asyncio.StreamReader()
+            reader.feed_data(pack_frame(state_fetch_header(RUN, SENDER, ["w"], snap.state_hash)))
+            reader.feed_eof()
+            writer = FakeWriter()
+            await asyncio.wait_for(h.server._serve(server.service(), SENDER, reader, writer), 30)
+            n = HEADER_LEN.unpack_from(writer.buf, 0)[0]
+            head = msgpack.unpackb(bytes(writer.buf[HEADER_LEN.size:HEADER_LEN.size + n]), raw=False)
+            return head, bytes(writer.buf[HEADER_LEN.size + n + PART_LEN.size:])
+
+        server.snapshot = states[0]
+        server.snapshot = states[1]  # the round moved on while the joiner fetched states[0]'s manifest
+        head, data = await fetch(states[0])
+        assert ErrorCode(head["status"]) == ErrorCode.OK
+        assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(3, 2), states[0].tensors["w"])
+        server.snapshot = states[2]
+        head, _ = await fetch(states[0])
+        assert ErrorCode(head["status"]) == ErrorCode.NOT_READY and h.fault_log == []
+
+    run(body())

@@ -60,7 +60,23 @@ class StateServer:
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        self.snapshot: Snapshot | None = None
+        self._current: Snapshot | None = None
+        self._previous: Snapshot | None = None
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The newest snapshot: what a manifest request is answered with."""
+        return self._current
+
+    @snapshot.setter
+    def snapshot(self, snap: Snapshot | None) -> None:
+        # The one before stays fetchable: a joiner whose download spans a round boundary (a slow link, a
+        # short round) finishes against the manifest it was given instead of starting over.
+        self._previous, self._current = self._current, snap
+
+    def _by_hash(self, state_hash: str) -> Snapshot | None:
+        return next((s for s in (self._current, self._previous) if s is not None and s.state_hash == state_hash),
+                    None)
 
     def service(self) -> Service:
         return Service("state", {"state_manifest": self._manifest, "state_fetch": self._fetch}, policy="announced")
@@ -76,6 +92,7 @@ class StateServer:
         if snap is None:
             raise ProtocolViolation(ErrorCode.NOT_READY, "no state yet")
         names, state_hash = validate_state_fetch(call.msg, snap.tensors)
+        snap = self._by_hash(state_hash) or snap
         if state_hash != snap.state_hash:
             raise ProtocolViolation(ErrorCode.NOT_READY, "state moved on")
         body = [snap.tensors[n] for n in names]

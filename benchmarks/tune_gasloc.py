@@ -7,6 +7,9 @@ benchmarks/algorithms.py, so the benchmark is not the tuning set), beside DiLoCo
 at its documented defaults, and prints the final validation losses.
 
     python benchmarks/tune_gasloc.py        # about 6 minutes on 2 cores
+
+Superseded by benchmarks/tune.py, which gives every algorithm (DiLoCo's momentum included) the same
+12-point budget at 8 workers; this 4-worker sweep tuned GASLoC alone against an untuned DiLoCo.
 """
 
 from __future__ import annotations

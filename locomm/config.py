@@ -221,6 +221,9 @@ class OuterConfig:
     """SparseLoCo error-feedback decay."""
     sparse_lr: float = 1.0
     """SparseLoCo outer learning rate alpha."""
+    sparseloco_aggregation: str = "all"
+    """SparseLoCo's mean of the workers' sparse updates: 'all' (the paper's: over every worker of the exchange,
+    an index a worker did not send counting as 0) or 'senders' (each index over the workers that sent it)."""
     seed: int = 0
     """Seed of the per-round group permutations (the same on every worker)."""
 
@@ -228,6 +231,7 @@ class OuterConfig:
         _choice(self, "algo", OUTER_ALGOS)
         _choice(self, "topology", GASLOC_TOPOLOGIES)
         _choice(self, "gasloc_momentum_on", ("mixed", "unmixed"))
+        _choice(self, "sparseloco_aggregation", ("all", "senders"))
         _check(self.inner_steps >= 1, "inner_steps", f"H must be >= 1, got {self.inner_steps}")
         _check(0 <= self.apply_delay_steps <= self.inner_steps, "apply_delay_steps",
                f"must be in [0, inner_steps={self.inner_steps}], got {self.apply_delay_steps}")
@@ -264,6 +268,39 @@ class CompressionConfig:
         for role in TENSOR_ROLES:
             _check(bool(getattr(self, role)), role, "must name at least one codec")
         _positive(self, "subspace_rate")
+
+
+# ------------------------------------------------------------------------ pipeline
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline mode (docs/algorithms.md §7): the model split into stages served by different peers."""
+
+    stages: int = 1
+    """Number of pipeline stages (1: no pipeline; every peer holds the whole model)."""
+    layers: tuple[int, ...] = ()
+    """Transformer blocks per stage, e.g. [3, 5]; empty means an even split (earlier stages take the extra)."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch; data.batch_size must be a multiple (an optimizer step takes a whole batch)."""
+    in_flight: int = 2
+    """Micro-batches a stage-0 replica keeps in the pipeline at once (1F1B-style overlap of the stages)."""
+    subspace: bool = True
+    """Keep the residual stream in span(U) and send z = U^T (h - E_f[tok]) (k = d_model / compression.subspace_rate
+    numbers per token); false sends h itself with the activation codec's casts (the uncompressed comparison)."""
+    stage_timeout_s: float = 60.0
+    """How long a stage waits for the rest of the pipeline to answer one micro-batch (forward and backward)."""
+    reroute_attempts: int = 3
+    """Other replicas of the next stage tried for a micro-batch before it counts as lost."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        _positive(self, "stages", "micro_batch_size", "in_flight", "stage_timeout_s")
+        _check(self.reroute_attempts >= 0, "reroute_attempts", f"must be >= 0, got {self.reroute_attempts}")
+        _check(all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.layers), "layers",
+               f"must be positive integers, got {list(self.layers)}")
+        _check(not self.layers or len(self.layers) == self.stages, "layers",
+               f"gives {len(self.layers)} stages, stages = {self.stages}")
 
 
 # ------------------------------------------------------------------------- network
@@ -336,6 +373,7 @@ _SECTIONS: dict[str, type] = {
     "inner": InnerOptimConfig,
     "outer": OuterConfig,
     "compression": CompressionConfig,
+    "pipeline": PipelineConfig,
     "network": NetworkConfig,
     "train": TrainConfig,
 }
@@ -350,6 +388,7 @@ class RunSpec:
     inner: InnerOptimConfig = field(default_factory=InnerOptimConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     protocol_version: int = PROTOCOL_VERSION
@@ -360,6 +399,17 @@ class RunSpec:
         _check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
                f"{self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         _check(self.train.steps >= 1, "train.steps", "must be >= 1")
+        p = self.pipeline
+        if p.stages > 1:
+            _check(p.stages <= self.model.n_layers, "pipeline.stages",
+                   f"{p.stages} stages for {self.model.n_layers} layers")
+            _check(not p.layers or sum(p.layers) == self.model.n_layers, "pipeline.layers",
+                   f"sum to {sum(p.layers)}, model.n_layers = {self.model.n_layers}")
+            _check(self.data.batch_size % p.micro_batch_size == 0, "pipeline.micro_batch_size",
+                   f"{p.micro_batch_size} does not divide data.batch_size={self.data.batch_size}")
+            k = self.model.d_model // self.compression.subspace_rate
+            _check(not p.subspace or k >= 1, "compression.subspace_rate",
+                   f"{self.compression.subspace_rate} leaves no subspace of d_model={self.model.d_model}")
 
     # -- construction -----------------------------------------------------------
 

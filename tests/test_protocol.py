@@ -224,7 +224,7 @@ class DenseCodec:
 
 
 def test_sparseloco_outer_rule_counts_senders_per_index():
-    cfg = OuterConfig(algo="sparseloco", sparse_lr=0.8)
+    cfg = OuterConfig(algo="sparseloco", sparse_lr=0.8, sparseloco_aggregation="senders")
     members = [0, 1, 2]
     thetas = {i: {k: v.clone() for k, v in rand_params(0).items()} for i in members}
     algos = {i: SparseLoCo(cfg, thetas[i], i, codec_factory=DenseCodec) for i in members}
@@ -237,6 +237,30 @@ def test_sparseloco_outer_rule_counts_senders_per_index():
     mean_b[:2] = (d[0]["b"][:2] + d[1]["b"][:2]) / 2
     assert torch.allclose(thetas[0]["b"], phi0["b"] - 0.8 * mean_b, atol=1e-6)
     assert torch.allclose(thetas[1]["a"], phi0["a"] - 0.8 * (d[0]["a"] + d[1]["a"] + d[2]["a"]) / 3, atol=1e-6)
+
+
+def test_sparseloco_paper_rule_is_the_mean_over_all_workers():
+    """Default rule (arXiv 2508.15706): D = (1/R) sum_r Q2(TopK(e_r)), an index a worker did not send counting
+    as 0, checked against a reference built from the codec alone; one worker not answering makes R = 2."""
+    from locomm.compression import get_codec
+
+    cfg = OuterConfig(algo="sparseloco", sparse_lr=0.8, sparse_density=0.02)  # k = 1 per chunk of 64
+    members = [0, 1, 2]
+    thetas = {i: {k: v.clone() for k, v in rand_params(0).items()} for i in members}
+    algos = {i: SparseLoCo(cfg, thetas[i], i) for i in members}
+    phi0 = {k: v.clone() for k, v in algos[0].phi.items()}
+    drift(thetas, 3)
+    sent = {}
+    for i in members:  # the reference: each worker's own codec state, fresh, on the same pseudo-gradient
+        for k in SHAPES:
+            c = get_codec("topk2bit", density=0.02, beta=cfg.sparse_ef_beta)
+            sent[i, k] = c.decode(c.encode(phi0[k] - thetas[i][k])).float().reshape(SHAPES[k])
+    run_round(algos, thetas, 0, members, drop=(2,))
+    for k in SHAPES:
+        assert (sent[0, k] != 0).sum() < sent[0, k].numel()  # really sparse: a mean with zeros, not a dense one
+        want01 = phi0[k] - 0.8 * (sent[0, k] + sent[1, k]) / 2  # workers 0 and 1: R = 2 (2 never answered)
+        assert torch.allclose(thetas[0][k], want01, atol=1e-6) and torch.allclose(thetas[1][k], want01, atol=1e-6)
+        assert torch.allclose(thetas[2][k], phi0[k] - 0.8 * sent[2, k], atol=1e-6)  # alone: R = 1
 
 
 # ----------------------------------------------------------------------------------- DDP

@@ -3,10 +3,12 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from locomm.config import ConfigError
-from locomm.sim import NetworkModel, Simulator, network_for, parse_link, replay, time_to_target
+from locomm.sim import Deadlines, NetworkModel, Schedule, Simulator, network_for, parse_link, replay, time_to_target
+from locomm.sim.flows import Flow, FlowLimits, maxmin_rates, run_flows
 from locomm.sim.network import RoundRecord
 
 
@@ -45,11 +47,78 @@ def test_barrier_vs_pairs_with_a_straggler():
                              members=members)]
     pairs = [RoundRecord(steps=1, bytes_sent={m: 0 for m in members}, kind="direct",
                          peers={0: [1], 1: [0], 2: [3], 3: [2]}, members=members)]
-    tl_ar, _ = replay(allreduce, net, 4)
-    tl_p, _ = replay(pairs, net, 4)
+    tl_ar, _ = replay(allreduce, net, 4, overlap=False)
+    tl_p, _ = replay(pairs, net, 4, overlap=False)
     assert tl_ar.clock == pytest.approx([1.0] * 4)
     assert tl_p.clock == pytest.approx([0.1, 0.1, 1.0, 1.0])
-    assert tl_ar.idle[0] == pytest.approx(0.9) and tl_p.idle[0] == 0.0
+    assert tl_ar.compute_utilisation()[0] == pytest.approx(0.1) and tl_p.compute_utilisation()[3] == 1.0
+
+
+def test_maxmin_fair_rates():
+    # Flows 0->1 and 0->2 share 0's uplink (2); 0->2 and 3->2 share 2's downlink (3).
+    rates = maxmin_rates(np.array([0, 0, 3]), np.array([1, 2, 2]), np.array([2.0, 9, 9, 9]), np.array([9, 9, 3.0, 9]))
+    assert rates == pytest.approx([1.0, 1.0, 2.0])
+
+
+def test_flows_share_links_and_slow_ones_are_cut():
+    flows = [Flow(0, 1, 1e6, 0.0), Flow(2, 1, 1e6, 0.0)]  # two senders into one 1 MB/s downlink
+    run_flows(flows, [1e7, 1e7, 1e7], [1e7, 1e6, 1e7])
+    assert [f.done for f in flows] == pytest.approx([2.0, 2.0])
+    # Below the floor rate (100 kB/s) for a whole 2 s window: cut at 2 s, never delivered.
+    slow = [Flow(0, 1, 1e6, 1.0), Flow(2, 3, 1e6, 1.0)]
+    run_flows(slow, [5e4, 1e7, 1e6, 1e7], [1e7] * 4, FlowLimits(floor_Bps=1e5, window_s=2.0, request_timeout_s=30))
+    assert slow[0].cut == pytest.approx(3.0) and math.isinf(slow[0].done)
+    assert slow[1].done == pytest.approx(2.0) and math.isinf(slow[1].cut)
+
+
+def test_butterfly_allreduce_by_hand():
+    """4 workers, hivemind's butterfly: group assembly, parts exchanged in parallel, the slowest member."""
+    mbit = 1e6
+    net = NetworkModel(up_bps=(80 * mbit, 80 * mbit, 40 * mbit, 20 * mbit), down_bps=(80 * mbit, 80 * mbit,
+                       40 * mbit, 20 * mbit), speed=(1.0, 1.0, 1.0, 0.5), latency_s=0.01, step_s=1.0)
+    S = 4e6  # bytes per member: each link carries 2 * S * 3/4 = 6 MB = 48 Mbit; the 20 Mbit member takes 2.4 s
+    assert net.butterfly_allreduce_s([0, 1, 2, 3], S) == pytest.approx(48 / 20 + 2 * 0.01)
+    rec = RoundRecord(steps=2, bytes_sent={m: S for m in range(4)}, kind="butterfly", peers={}, members=[0, 1, 2, 3])
+    sched = Schedule(net, 4, overlap=True, deadlines=Deadlines(request_timeout_s=30.0))
+    got = sched.step(rec)
+    # Ready at 2, 2, 2, 4 (worker 3 computes at half speed); assembled when the last arrives + 6 latencies.
+    assert sched.tl.plans[0] == pytest.approx([2, 2, 2, 4])
+    assert sched.tl.ends[0] == pytest.approx([4 + 0.06 + 2.42] * 4)
+    assert got == [{1, 2, 3}, {0, 2, 3}, {0, 1, 3}, {0, 1, 2}]
+    # With overlap the next round computes meanwhile and plans at max(end of compute, end of the exchange).
+    sched.step(rec)
+    assert sched.tl.plans[1] == pytest.approx([6.48, 6.48, 6.48, 8.0])
+    assert sched.tl.ends[1] == pytest.approx([8.0 + 0.06 + 2.42] * 4)
+    assert sched.tl.compute_utilisation() == pytest.approx([4 / 10.48] * 3 + [8 / 10.48])
+    # A step timeout of 1.5 s: worker 3 (ready at 4) misses the group, which assembles at 2 + 1.5 without it.
+    sched = Schedule(net, 4, overlap=True, deadlines=Deadlines(request_timeout_s=1.5))
+    got = sched.step(rec)
+    three = 2 * S * (2 / 3) * 8 / (40 * mbit) + 0.02
+    assert sched.tl.ends[0] == pytest.approx([3.5 + 0.06 + three] * 3 + [4 + 1.5])
+    assert got == [{1, 2}, {0, 2}, {0, 1}, set()]
+    # No overlap: the second round starts at the end of the first exchange.
+    sched = Schedule(net, 4, overlap=False, deadlines=Deadlines())
+    sched.step(rec)
+    sched.step(rec)
+    assert sched.tl.plans[1] == pytest.approx([6.48 + 2] * 3 + [6.48 + 4])
+
+
+def test_a_late_partner_is_skipped_at_its_eta(nano_spec, nano_splits):
+    """Worker 1 computes 1000x slower: worker 0 goes on without it at the ETA, worker 1 still gets 0's payload,
+    and a replay of the network-free run on that network says its numerics would differ."""
+    spec = nano_spec.replace("outer", algo="noloco", inner_steps=2).replace("train", steps=4, eval_batches=1).replace(
+        "network", stall_timeout_s=0.5)
+    net = NetworkModel(up_bps=(1e9, 1e9), down_bps=(1e9, 1e9), speed=(1.0, 0.001), latency_s=0.001, step_s=0.01)
+    live = Simulator(spec, 2, splits=nano_splits, network=net, codec="none")
+    res = live.run(2)
+    assert res.records[0].answered == {0: [], 1: [0]}
+    assert res.timeline.skipped >= 1
+    ideal = Simulator(spec, 2, splits=nano_splits, codec="none").run(2)
+    assert ideal.records[0].answered is None and ideal.final_val_loss != res.final_val_loss
+    from locomm.sim import replay_on
+
+    assert replay_on(ideal, net).mismatches >= 1
+    assert replay_on(res, net).mismatches == 0
 
 
 @pytest.mark.parametrize("algo", ["ddp", "diloco", "noloco", "gasloc"])
@@ -60,8 +129,10 @@ def test_every_algorithm_learns(nano_spec, nano_splits, algo):
     assert res.val_loss[-1] < res.val_loss[0] - 1.0
     assert len(res.records) == (20 if algo == "ddp" else 4)
     assert min(res.bytes_sent) > 0
-    wall, done, idle = network_for(res, link_bps=80e6, latency_s=0.02, heterogeneity=0.5, step_s=0.01)
-    assert wall > 0 and 0 <= idle < 1 and done == sorted(done)
+    run = network_for(res, link_bps=80e6, latency_s=0.02, heterogeneity=0.5, step_s=0.01)
+    wall, done = run.wall_s, run.round_done
+    assert wall > 0 and 0 < run.utilisation_min <= run.utilisation_mean <= 1 and done == sorted(done)
+    assert run.mismatches == 0  # nano payloads: no deadline fires on this network
     first = min(i for i, v in enumerate(res.val_loss) if v <= res.val_loss[-1])
     assert time_to_target(res, done, res.val_loss[-1]) == res.curve_times(done)[first] > 0
     assert time_to_target(res, done, 0.0) == math.inf
@@ -92,9 +163,11 @@ def test_cli_simulate_json(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("algo", "workers", "final_val_loss", "bytes_sent_per_worker", "sim_wall_clock_s", "idle_fraction"):
+    for key in ("algo", "workers", "final_val_loss", "bytes_sent_per_worker", "sim_wall_clock_s",
+                "compute_utilisation", "overlap"):
         assert key in s
-    assert s["workers"] == 2 and s["final_val_loss"] < s["initial_val_loss"]
+    assert s["workers"] == 2 and s["final_val_loss"] < s["initial_val_loss"] and s["overlap"] is True
+    assert 0 < s["compute_utilisation"]["min"] <= s["compute_utilisation"]["mean"] <= 1
     bad = subprocess.run([sys.executable, "-m", "locomm.cli.main", "simulate", "--algo", "noloco", "--workers", "2",
                           "--inner-steps", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "inner_steps" in bad.stderr and "Traceback" not in bad.stderr

@@ -76,7 +76,11 @@ def train(config: str | None, preset: str | None, steps: int | None, device: str
 
 
 @cli.command()
-@click.option("--algo", type=click.Choice(["ddp", "diloco", "noloco", "gasloc", "sparseloco"]), required=True)
+@click.option("--algo", type=click.Choice(["ddp", "diloco", "noloco", "gasloc", "sparseloco"]),
+              help="Outer algorithm (required, except with --pipeline: replica sync, default noloco).")
+@click.option("--pipeline", "pipeline_shape", help="STAGESxREPLICAS, e.g. 2x2: pipeline mode (stages of the "
+              "model, subspace-compressed activations, random routing); --rounds x --inner-steps optimizer steps.")
+@click.option("--no-subspace", is_flag=True, help="With --pipeline: send activations uncompressed (comparison).")
 @click.option("--workers", type=int, default=8, show_default=True, help="Virtual workers (2-64).")
 @click.option("--rounds", type=int, default=10, show_default=True, help="Outer rounds.")
 @click.option("--inner-steps", type=int, help="H, inner steps per round (overrides outer.inner_steps).")
@@ -92,13 +96,22 @@ def train(config: str | None, preset: str | None, steps: int | None, device: str
               "bf16+lossless (default: the run spec's compression per tensor role, as the daemon sends).")
 @click.option("--eval-every", type=int, default=1, show_default=True, help="Evaluate every this many rounds.")
 @click.option("--seed", type=int, help="Overrides train.seed (model init and data order).")
+@click.option("--no-overlap", is_flag=True, help="Block on each exchange (the daemon's --no-overlap); default: "
+              "the daemon's schedule, each exchange applied one round late while the next round computes.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write loss vs step and vs time (PNG).")
-def simulate(algo: str, workers: int, rounds: int, inner_steps: int | None, link: str, latency_ms: float,
-             heterogeneity: float, tflops: float, preset: str | None, config: str | None, codec: str | None,
-             eval_every: int, seed: int | None, as_json: bool, plot: Path | None) -> None:
+def simulate(algo: str | None, pipeline_shape: str | None, no_subspace: bool, workers: int, rounds: int,
+             inner_steps: int | None, link: str, latency_ms: float, heterogeneity: float, tflops: float,
+             preset: str | None, config: str | None, codec: str | None, eval_every: int, seed: int | None,
+             no_overlap: bool, as_json: bool, plot: Path | None) -> None:
     """Compare outer algorithms on N virtual workers with a network cost model."""
+    if pipeline_shape is not None:
+        _simulate_pipeline(pipeline_shape, algo, no_subspace, rounds, inner_steps, link, latency_ms, tflops, preset,
+                           config, seed, as_json)
+        return
     try:
+        if algo is None:
+            raise ConfigError("--algo is required (or give --pipeline SxR)")
         spec = load_spec(config, preset or (None if config else "nano"))
         spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps is not None else {}))
         if seed is not None:
@@ -116,9 +129,47 @@ def simulate(algo: str, workers: int, rounds: int, inner_steps: int | None, link
 
     result = run_simulation(spec, workers=workers, rounds=rounds, link_bps=link_bps, latency_s=latency_ms / 1000,
                             heterogeneity=heterogeneity, tflops=tflops, codec=codec, eval_every=eval_every,
-                            quiet=as_json, plot=plot)
+                            quiet=as_json, plot=plot, overlap=not no_overlap)
     if as_json:
         emit_json(result)
+
+
+def _simulate_pipeline(shape: str, algo: str | None, no_subspace: bool, rounds: int, inner_steps: int | None,
+                       link: str, latency_ms: float, tflops: float, preset: str | None, config: str | None,
+                       seed: int | None, as_json: bool) -> None:
+    try:
+        from locomm.sim.network import parse_link  # noqa: PLC0415 - numpy only
+
+        stages, replicas = _parse_pipeline(shape)
+        spec = load_spec(config, preset or (None if config else "nano"))
+        spec = spec.replace("pipeline", stages=stages, **({"subspace": False} if no_subspace else {}))
+        spec = spec.replace("outer", algo=algo or (spec.outer.algo if spec.outer.algo != "none" else "noloco"),
+                            **({"inner_steps": inner_steps} if inner_steps is not None else {}))
+        if seed is not None:
+            spec = spec.replace("train", seed=seed)
+        if rounds < 1:
+            raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
+        steps = rounds * spec.outer.inner_steps
+        spec = spec.replace("train", steps=steps)
+        link_bps = parse_link(link)
+    except (ConfigError, ValueError) as e:
+        fail(str(e))
+    from locomm.sim.pipeline import run_pipeline_simulation  # noqa: PLC0415 - imports torch
+
+    result = run_pipeline_simulation(spec, replicas=replicas, steps=steps, link_bps=link_bps,
+                                     latency_s=latency_ms / 1000, tflops=tflops, subspace=None, quiet=as_json)
+    if as_json:
+        emit_json(result)
+
+
+def _parse_pipeline(text: str) -> tuple[int, int]:
+    try:
+        s, r = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--pipeline: expected STAGESxREPLICAS such as 2x2, got {text!r}") from None
+    if s < 2 or not 1 <= r <= 16:
+        raise ConfigError(f"--pipeline: need at least 2 stages and 1-16 replicas, got {text!r}")
+    return s, r
 
 
 @cli.command()
@@ -137,7 +188,9 @@ def simulate(algo: str, workers: int, rounds: int, inner_steps: int | None, link
 @click.option("--device", default=lambda: os.environ.get("LOCOMM_DEVICE", "auto"), show_default="auto")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Checkpoint here and resume from it.")
-@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT (0: any free port).")
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on METRICS_HOST:PORT (0: any free port).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address the metrics server binds; 0.0.0.0: every interface (a container's published port).")
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="JSON-lines event log.")
 @click.option("--rounds", type=int, help="Stop after this many rounds.")
 @click.option("--shard", help="Data shard as INDEX/COUNT (default: from the peer id).")
@@ -146,15 +199,17 @@ def simulate(algo: str, workers: int, rounds: int, inner_steps: int | None, link
 @click.option("--final-weights", type=click.Path(dir_okay=False, path_type=Path), hidden=True)
 @click.option("--until-round", type=int, hidden=True)
 @click.option("--wait-for-peers", type=int, default=0, help="Before training, wait up to a minute for N peers.")
+@click.option("--stage", help="Pipeline mode: serve stage K of the model, or 'auto' (the stage with the fewest "
+              "live replicas). The run spec needs pipeline.stages >= 2.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
 @click.option("-q", "--quiet", is_flag=True, help="No status line, per-round lines or summary (log lines stay).")
 @click.option("-v", "--verbose", count=True)
 def join(initial_peers: tuple[str, ...], config: str | None, preset: str | None, algo: str | None,
          inner_steps: int | None, host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...],
          identity: Path | None, device: str, checkpoint_dir: Path | None, metrics_port: int | None,
-         log_file: Path | None, rounds: int | None, shard: str | None, no_overlap: bool,
+         metrics_host: str, log_file: Path | None, rounds: int | None, shard: str | None, no_overlap: bool,
          announce_file: Path | None, final_weights: Path | None, until_round: int | None, wait_for_peers: int,
-         as_json: bool, quiet: bool, verbose: int) -> None:
+         stage: str | None, as_json: bool, quiet: bool, verbose: int) -> None:
     """Join a training swarm (or start one) and train until the run ends or Ctrl-C.
 
     On a terminal a live line shows the round, loss, speed, traffic and the transfer in progress; without
@@ -169,6 +224,8 @@ def join(initial_peers: tuple[str, ...], config: str | None, preset: str | None,
         elif algo or inner_steps:
             raise ConfigError("--algo/--inner-steps set the spec of a new swarm; put them in --config instead")
         shard_t = _parse_shard(shard) if shard else None
+        if stage is not None and stage != "auto" and not (stage.isdigit() and int(stage) >= 0):
+            raise ConfigError(f"--stage: expected a stage number or 'auto', got {stage!r}")
         if rounds is not None and rounds < 1:
             raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
     except ConfigError as e:
@@ -177,10 +234,11 @@ def join(initial_peers: tuple[str, ...], config: str | None, preset: str | None,
 
     summary = run_node(spec, initial_peers=initial_peers, spec_from_user=bool(config), host_maddrs=host_maddrs,
                        announce_maddrs=announce_maddrs, identity=identity, device=device,
-                       checkpoint_dir=checkpoint_dir, metrics_port=metrics_port, log_file=log_file, rounds=rounds,
+                       checkpoint_dir=checkpoint_dir, metrics_port=metrics_port, metrics_host=metrics_host,
+                       log_file=log_file, rounds=rounds,
                        shard=shard_t, overlap=not no_overlap, announce_file=announce_file,
                        final_weights=final_weights, until_round=until_round, wait_for_peers=wait_for_peers,
-                       verbose=verbose, quiet=quiet)
+                       verbose=verbose, quiet=quiet, **({"stage": stage} if stage is not None else {}))
     if as_json:
         emit_json(summary)
 
@@ -207,10 +265,36 @@ def _parse_shard(text: str) -> tuple[int, int]:
               show_default=True, help="Loss plot written at the end.")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
               help="Copy the peers' logs, checkpoints and final weights here.")
+@click.option("--pipeline", "pipeline_shape", help="STAGESxREPLICAS, e.g. 2x2: pipeline mode, one peer per "
+              "stage replica (--peers is ignored); --rounds x --inner-steps optimizer steps.")
+@click.option("--no-subspace", is_flag=True, help="With --pipeline: send activations uncompressed (comparison).")
+@click.option("--kill-at-step", type=int, hidden=True, help="With --pipeline: SIGKILL a stage-1 replica here.")
+@click.option("--join-auto-at-step", type=int, hidden=True, help="With --pipeline: start a --stage auto joiner.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
 def swarm(peers: int, rounds: int, algo: str, inner_steps: int | None, preset: str | None, config: str | None,
-          plot: Path, keep: Path | None, as_json: bool) -> None:
+          plot: Path, keep: Path | None, pipeline_shape: str | None, no_subspace: bool, kill_at_step: int | None,
+          join_auto_at_step: int | None, as_json: bool) -> None:
     """Start a local swarm of real peers on loopback and train it."""
+    if pipeline_shape is not None:
+        try:
+            stages, replicas = _parse_pipeline(pipeline_shape)
+            if rounds < 1:
+                raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
+            spec = load_spec(config, preset or (None if config else "nano"))
+            spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps else {}))
+            spec = spec.replace("pipeline", stages=stages, **({"subspace": False} if no_subspace else {}))
+            spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)
+        except ConfigError as e:
+            fail(str(e))
+        from locomm.pipeline.swarm import run_pipeline_swarm  # noqa: PLC0415
+
+        summary = run_pipeline_swarm(spec, stages=stages, replicas=replicas, quiet=as_json, keep=keep,
+                                     kill_at_step=kill_at_step, join_auto_at_step=join_auto_at_step)
+        if as_json:
+            emit_json(summary)
+        if summary["failed_peers"]:
+            sys.exit(1)
+        return
     try:
         if not 2 <= peers <= 32:
             raise ConfigError(f"--peers: must be in [2, 32], got {peers}")

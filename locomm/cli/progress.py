@@ -65,20 +65,26 @@ def run_train(spec: RunSpec, *, device: str, checkpoint_dir: Path | None, quiet:
 
 def run_simulation(spec: RunSpec, *, workers: int, rounds: int, link_bps: float, latency_s: float,
                    heterogeneity: float, tflops: float, codec: str, eval_every: int, quiet: bool,
-                   plot: Path | None) -> dict[str, Any]:
-    """Run the simulator with a progress bar over rounds; returns the JSON summary."""
+                   plot: Path | None, overlap: bool = True) -> dict[str, Any]:
+    """Run the simulator with a progress bar over rounds; returns the JSON summary.
+
+    The run lives on its network (the daemon's schedule and deadlines decide whose payload arrives in
+    time), so the numerics are this network's."""
     from locomm.config import ConfigError  # noqa: PLC0415
-    from locomm.sim import Simulator, network_for  # noqa: PLC0415
+    from locomm.model import build_model  # noqa: PLC0415
+    from locomm.sim import NetworkModel, Simulator  # noqa: PLC0415
     from locomm.sim.network import flops_step_s  # noqa: PLC0415
 
     console = Console(stderr=True)
     try:
-        sim = Simulator(spec, workers, codec=codec, eval_every=eval_every)
+        params = build_model(spec.model).num_parameters()
+        step_s = flops_step_s(params, spec.data.batch_size * spec.data.seq_len, tflops)
+        net = NetworkModel.build(workers, link_bps=link_bps, latency_s=latency_s, heterogeneity=heterogeneity,
+                                 step_s=step_s, seed=spec.train.seed)
+        sim = Simulator(spec, workers, codec=codec, eval_every=eval_every, overlap=overlap, network=net)
     except (ConfigError, CorpusError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         sys.exit(2)
-    params = sim.trainers[0].model.num_parameters()
-    step_s = flops_step_s(params, sim.trainers[0].tokens_per_step, tflops)
     with progress_bar(console, quiet) as bar:
         task = bar.add_task(f"{spec.outer.algo} x{workers}", total=rounds, info="")
 
@@ -90,15 +96,18 @@ def run_simulation(spec: RunSpec, *, workers: int, rounds: int, link_bps: float,
         except FloatingPointError as e:
             console.print(f"[red]error:[/] {e}")
             sys.exit(2)
-    wall, done, idle = network_for(res, link_bps=link_bps, latency_s=latency_s, heterogeneity=heterogeneity,
-                                   step_s=step_s, seed=spec.train.seed)
+    tl = res.timeline
+    wall, done, util = tl.wall(), res.round_done, tl.compute_utilisation()
     out = {
         "algo": spec.outer.algo, "workers": workers, "rounds": rounds, "inner_steps": spec.outer.inner_steps,
         "final_val_loss": res.final_val_loss, "initial_val_loss": res.val_loss[0],
         "final_val_spread": res.val_spread[-1],
         "bytes_sent_per_worker": sum(res.bytes_sent) / workers,
         "bytes_received_per_worker": sum(res.bytes_received) / workers,
-        "sim_wall_clock_s": wall, "idle_fraction": idle, "max_weight_distance": sim.weight_distance(),
+        "sim_wall_clock_s": wall, "compute_utilisation": {"mean": sum(util) / len(util), "min": min(util),
+                                                          "per_worker": util},
+        "overlap": overlap, "partners_skipped": tl.skipped, "transfers_cut": tl.cut,
+        "max_weight_distance": sim.weight_distance(),
         "link_bps": link_bps, "latency_s": latency_s, "heterogeneity": heterogeneity, "step_s": step_s,
         "parameters": params, "real_wall_s": res.wall_s, "codec": codec,
         "curve": {"steps": res.steps, "val_loss": res.val_loss,
@@ -109,7 +118,8 @@ def run_simulation(spec: RunSpec, *, workers: int, rounds: int, link_bps: float,
     if not quiet:
         console.print(f"{out['algo']} x{workers}: val {out['final_val_loss']:.4f} nats/byte "
                       f"(from {out['initial_val_loss']:.3f}), {out['bytes_sent_per_worker'] / 1e6:.2f} MB sent "
-                      f"per worker, simulated {wall:.2f} s, idle {100 * idle:.1f}%")
+                      f"per worker, simulated {wall:.2f} s, compute utilisation {100 * sum(util) / len(util):.1f}% "
+                      f"mean, {100 * min(util):.1f}% min")
     return out
 
 

@@ -34,11 +34,17 @@ def run_node(spec: RunSpec, *, verbose: int = 0, quiet: bool = False, reporter: 
     for ``--json``. ``reporter.close()`` runs whatever happens (it restores the terminal).
     """
     setup_logging(verbose)  # -q keeps the log lines: it silences the reporter only
+    stage = options.pop("stage", None)
     if reporter is None:
-        reporter = make_reporter(quiet=quiet)
+        reporter = make_reporter(quiet=quiet or stage is not None)  # pipeline mode: the event log, no live line
     try:
         try:
-            node = Node(spec, NodeOptions(reporter=reporter, **options))
+            if stage is not None:  # pipeline mode: serve one stage (locomm/pipeline/node.py)
+                from locomm.pipeline.node import PipelineNode  # noqa: PLC0415
+
+                node = PipelineNode(spec, NodeOptions(reporter=reporter, **options), stage=stage)
+            else:
+                node = Node(spec, NodeOptions(reporter=reporter, **options))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)

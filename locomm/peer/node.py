@@ -49,6 +49,8 @@ from locomm.peer.swarm import (MEMBER_LAG_ROUNDS, Heartbeat, fetch_spec, members
 
 log = logging.getLogger(__name__)
 JOIN_MARGIN_ROUNDS = 2
+STATE_ATTEMPTS = 3
+"""Whole state downloads a joiner tries before it starts from the initial weights."""
 NOT_ADMITTED = 2**31 - 1
 """join_round of a joiner that has not synced yet: nobody counts it as a member."""
 
@@ -70,6 +72,8 @@ class NodeOptions:
     checkpoint_every: int = 5
     """Rounds between checkpoints (and one at shutdown)."""
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics server binds (0.0.0.0: every interface, e.g. in a container)."""
     log_file: Path | None = None
     rounds: int | None = None
     """Stop after this many rounds (default: the rounds spec.train.steps allows)."""
@@ -217,8 +221,13 @@ class Node:
             donors = [b.peer for b in sorted(beats, key=lambda b: -b.round)[:3]]
             max_bytes = int(self.spec.network.max_message_mb * 2**20) * 4
             self.phase = "syncing"
-            got = await fetch_state(self.p2p, run_id=self.run_id, me=self.me, donors=donors, limits=self.limits,
-                                    max_bytes=max_bytes, on_fault=self.faults.record)
+            got = None
+            for attempt in range(STATE_ATTEMPTS):  # the state moved on twice while we fetched: ask again
+                got = await fetch_state(self.p2p, run_id=self.run_id, me=self.me, donors=donors,
+                                        limits=self.limits, max_bytes=max_bytes, on_fault=self.faults.record)
+                if got is not None or self.stop.is_set():
+                    break
+                log.info("state download %d/%d failed; asking the donors again", attempt + 1, STATE_ATTEMPTS)
             if got is None:
                 log.warning("could not download state from %d donors; starting from the initial weights",
                             len(donors))
@@ -505,7 +514,7 @@ class Node:
             first_heartbeat_at = time.time()
             shard = self.opts.shard or (int(self.me.encode().hex()[-8:], 16) % 64, 64)
             await self.compute(self._build, shard)
-            self.metrics = Metrics(self.opts.metrics_port, self.me)
+            self.metrics = Metrics(self.opts.metrics_port, self.me, host=self.opts.metrics_host)
             cfg = self.spec.network
             self.codec = self._payload_codec()
             self.rpc = RpcServer(self.p2p, self.run_id, self.limits, self.codec_pool, authorize=self._authorize,

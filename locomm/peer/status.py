@@ -39,7 +39,10 @@ async def snapshot(initial_peers: list[str]) -> dict[str, Any]:
                               "tokens_per_s": f.get("tokens_per_s"), "bytes_sent": f.get("bytes_sent"),
                               "last_exchange_s_ago": (time.time() - f["last_exchange"]) if f.get("last_exchange")
                               else None, "heartbeat_age_s": now - float(f.get("time", now)),
-                              "version": f.get("version")})
+                              "version": f.get("version"),
+                              # pipeline mode: the stage this peer serves, its micro-batches/s, re-routes, losses
+                              **({k: f.get(k) for k in ("stage", "mb_per_s", "rerouted", "lost")}
+                                 if isinstance(f.get("stage"), int) else {})})
             return {"run": run_id, "spec_hash": spec["hash"], "protocol_version": spec["version"], "peers": peers}
         finally:
             await dht.shutdown()
@@ -48,6 +51,8 @@ async def snapshot(initial_peers: list[str]) -> dict[str, Any]:
 
 
 def render(snap: dict[str, Any]) -> Table:
+    if any("stage" in p for p in snap.get("peers", [])):
+        return render_stages(snap)
     t = Table(title=f"run {snap.get('run', '?')}: {len(snap.get('peers', []))} peers")
     for col in ("peer", "round", "step", "loss", "val", "tok/s", "MB sent", "last exchange", "staleness"):
         t.add_column(col, justify="right")
@@ -58,6 +63,21 @@ def render(snap: dict[str, Any]) -> Table:
                   _f(p["tokens_per_s"], "{:,.0f}"), _f((p["bytes_sent"] or 0) / 1e6, "{:.1f}"),
                   _f(p["last_exchange_s_ago"], "{:.0f}s ago"),
                   f"{top - p['round']} rounds" + (" (stale)" if stale else ""))
+    return t
+
+
+def render_stages(snap: dict[str, Any]) -> Table:
+    """Pipeline mode: each stage's replicas, their micro-batches per second and re-routes."""
+    peers = sorted((p for p in snap.get("peers", []) if isinstance(p.get("stage"), int) and p["stage"] >= 0),
+                   key=lambda p: (p["stage"], p["peer"]))
+    stages = sorted({p["stage"] for p in peers})
+    t = Table(title=f"run {snap.get('run', '?')}: {len(stages)} stages, {len(peers)} stage replicas")
+    for col in ("stage", "replicas", "peer", "step", "loss", "mb/s", "re-routed", "lost", "staleness"):
+        t.add_column(col, justify="right")
+    for p in peers:
+        n = sum(1 for q in peers if q["stage"] == p["stage"])
+        t.add_row(str(p["stage"]), str(n), p["peer"][-10:], str(p["step"]), _f(p["loss"]), _f(p.get("mb_per_s"), "{:.2f}"),
+                  str(p.get("rerouted") or 0), str(p.get("lost") or 0), f"{p['heartbeat_age_s']:.0f}s")
     return t
 
 
@@ -72,11 +92,13 @@ def show_status(initial_peers: list[str], *, watch: bool, as_json: bool) -> None
             try:
                 snap = asyncio.run(asyncio.wait_for(snapshot(initial_peers), 60))
             except Exception as e:  # unreachable swarm, bad multiaddr: one line, not a traceback
-                print(f"error: cannot read the swarm: {type(e).__name__}: {e}", file=sys.stderr)
-                sys.exit(2)
+                snap = {"error": f"cannot read the swarm: {type(e).__name__}: {e}"}
             if "error" in snap:
                 print(f"error: {snap['error']}", file=sys.stderr)
-                sys.exit(2)
+                if not watch:
+                    sys.exit(2)
+                time.sleep(2)  # --watch outlives a swarm that is restarting or not up yet: try again
+                continue
             if as_json:
                 print(json.dumps(snap, sort_keys=True, default=float), flush=True)
             else:

@@ -302,3 +302,63 @@ def validate_manifest(resp: Mapping[str, Any]) -> tuple[int, str, list[dict[str,
             raise ProtocolViolation(ErrorCode.MALFORMED, "bad manifest entry")
         clean.append(m)
     return rnd, h, clean
+
+
+# ---------------------------------------------------------------- pipeline activation frames
+
+STAGE_MESSAGES = ("fwd", "eval")
+"""``fwd``: a training micro-batch (the answer carries dL/dh); ``eval``: forward only (the answer carries the loss)."""
+TOKEN_BYTES = 2
+"""Token ids travel as uint16."""
+
+
+@dataclass(frozen=True)
+class ActivationFrame:
+    """A validated activation frame: which micro-batch, its shape, and the two parts that follow."""
+
+    stage: int
+    origin: str
+    mb: int
+    batch: int
+    seq: int
+    tokens_nbytes: int
+    act_nbytes: int
+    codec: str
+
+
+def activation_header(run_id: str, sender: str, mtype: str, *, step: int, stage: int, origin: str, mb: int,
+                      batch: int, seq: int, codec: str, tokens_nbytes: int, act_nbytes: int) -> dict[str, Any]:
+    """A micro-batch for ``stage``: the token window (B, T+1) as uint16, then the coded residual stream h."""
+    return envelope(run_id, mtype, step, sender, stage=stage, origin=origin, mb=mb, batch=batch, seq=seq,
+                    tensors=[{"name": "tokens", "codec": "none", "nbytes": tokens_nbytes},
+                             {"name": "h", "codec": codec, "nbytes": act_nbytes}])
+
+
+def validate_activation(msg: Message, *, stage: int, max_batch: int, max_seq: int, codec: str,
+                        max_act_bytes: int) -> ActivationFrame:
+    """Check an activation frame against this stage before anything is read or allocated.
+
+    A frame for another stage is refused (NOT_READY: a stale route, not a fault); a shape outside the
+    run's micro-batch, a token part of the wrong size or a foreign codec is the sender's fault.
+    """
+    f = msg.fields
+    want_stage = _field(f, "stage", int)
+    origin = _field(f, "origin", str)
+    mb, batch, seq = _field(f, "mb", int), _field(f, "batch", int), _field(f, "seq", int)
+    if want_stage != stage:
+        raise ProtocolViolation(ErrorCode.NOT_READY, f"this peer serves stage {stage}, not {want_stage}")
+    if mb < 0 or len(origin) > 256:
+        raise ProtocolViolation(ErrorCode.MALFORMED, "bad micro-batch id or origin")
+    if not 1 <= batch <= max_batch or not 1 <= seq <= max_seq:
+        raise ProtocolViolation(ErrorCode.BAD_SHAPE, f"micro-batch {batch} x {seq} outside {max_batch} x {max_seq}")
+    names = [t.name for t in msg.tensors]
+    if names != ["tokens", "h"]:
+        raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, f"an activation frame carries tokens, h; got {names}")
+    tok, act = msg.tensors
+    if tok.codec != "none" or tok.nbytes != batch * (seq + 1) * TOKEN_BYTES:
+        raise ProtocolViolation(ErrorCode.BAD_SHAPE, f"token part of {tok.nbytes} bytes for {batch} x {seq + 1}")
+    if act.codec != codec:
+        raise ProtocolViolation(ErrorCode.MALFORMED, f"activation codec {act.codec!r}, this run sends {codec!r}")
+    if not 0 < act.nbytes <= max_act_bytes:
+        raise ProtocolViolation(ErrorCode.TOO_LARGE, f"activation of {act.nbytes} bytes, at most {max_act_bytes}")
+    return ActivationFrame(stage, origin, mb, batch, seq, tok.nbytes, act.nbytes, codec)

@@ -4,8 +4,14 @@
     e_r    = beta*e_r + D_r                     # error feedback   } the topk2bit codec,
     Dhat_r = Q2(TopK_per_chunk(e_r))            # chunked top-k    } which keeps e_r
     e_r    = e_r - Dhat_r                       #                  }
-    D      = mean over the workers that sent each index
+    D      = (1/R) sum_r Dhat_r                # the paper's mean over all R workers of the exchange
+                                                # (an index worker r did not send is 0 in Dhat_r)
     phi    = phi - alpha*D ;  theta_r = phi     # no outer momentum
+
+R counts this worker and whoever answered. ``outer.sparseloco_aggregation = "senders"``
+keeps the first implementation's rule instead: each index averaged over the workers
+that sent it. With a fixed alpha that update grows with R where the workers' top-k
+sets differ (an index one worker sent is applied at full size, not 1/R of it).
 
 The payload is the codec's bytes, so the bytes on the wire are exactly what the
 codec produced. Equations from secondary summaries (docs/algorithms.md §4).
@@ -45,16 +51,19 @@ class SparseLoCo(OuterAlgorithm):
         return Exchange(peers=[m for m in members if m != self.me], payload=payload, collective=True)
 
     def apply(self, round_idx: int, params: Params, received: Mapping[int, Payload]) -> None:
+        senders = self.cfg.sparseloco_aggregation == "senders"
         for k, phi in self.phi.items():
             total = torch.zeros_like(phi)
-            count = torch.zeros_like(phi)
+            count = torch.zeros_like(phi) if senders else None
             for pl in received.values():
                 v = pl[f"sparse/{k}"]  # the codec's bytes (own payload), or a tensor the transport decoded
                 d = (self.codecs[k].decode(v) if isinstance(v, (bytes, bytearray, memoryview)) else v)
                 d = d.float().reshape(phi.shape)
                 total.add_(d)
-                count.add_((d != 0).float())
-            phi.sub_(total.div_(count.clamp_(min=1)), alpha=self.cfg.sparse_lr)
+                if count is not None:
+                    count.add_((d != 0).float())
+            mean = total.div_(count.clamp_(min=1)) if count is not None else total.div_(len(received))
+            phi.sub_(mean, alpha=self.cfg.sparse_lr)
         self._set_params(params, self.phi)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

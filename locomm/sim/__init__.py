@@ -1,6 +1,8 @@
-"""The in-process transport: N virtual workers and a network cost model."""
+"""The in-process transport: N virtual workers, the daemon's schedule and a network cost model."""
 
 from locomm.sim.network import NetworkModel, parse_link, replay
-from locomm.sim.simulator import SimResult, Simulator, network_for, time_to_target
+from locomm.sim.simulator import NetworkRun, SimResult, Simulator, network_for, replay_on, time_to_target
+from locomm.sim.timeline import Deadlines, Schedule, Timeline
 
-__all__ = ["NetworkModel", "SimResult", "Simulator", "network_for", "parse_link", "replay", "time_to_target"]
+__all__ = ["Deadlines", "NetworkModel", "NetworkRun", "SimResult", "Schedule", "Simulator", "Timeline", "network_for",
+           "parse_link", "replay", "replay_on", "time_to_target"]

@@ -5,20 +5,13 @@ latency ``latency_s``, and computes an inner step in ``step_s / c_i`` seconds. W
 heterogeneity X, b_i and c_i are drawn independently as 10^(-X*u), u ~ U(0, 1):
 X = 0 is a uniform swarm, X = 1 puts the slowest worker up to 10x below the fastest.
 
-Collectives (S = bytes per worker, N workers, bw_min = the slowest link of the ring):
-    ring all-reduce (DDP, DiLoCo):  T = 2(N-1) * (latency + (S/N) * 8 / bw_min)
-    ring all-gather (SparseLoCo):   T = (N-1) * latency + max_i (sum_{j != i} S_j) * 8 / bw_i
-and both start only when the slowest member is ready (a barrier).
-
-Direct exchange (NoLoCo groups, GASLoC neighbours), worker i with peers P_i, each
-peer j sending S_j to each of its deg_j peers through its shared uplink:
-    T_i = latency + max( S_i * |P_i| * 8 / up_i,           # i's uplink
-                         sum_{j in P_i} S_j * 8 / down_i,  # i's downlink
-                         max_{j in P_i} S_j * deg_j * 8 / up_j )  # the slowest sender's uplink
-and it starts when i and all of P_i are ready (no global barrier).
-
-Blocking exchange: every algorithm here waits for its round's exchange before the
-next inner step (no overlap), so the comparison is like for like.
+Collectives (S = bytes per worker, N workers, bw_i = min(up_i, down_i)):
+    hivemind butterfly all-reduce (DiLoCo, as the daemon runs it):
+        T = max_i 2 S (N-1)/N * 8 / bw_i + 2 * latency
+    ring all-reduce (DDP, simulator only):  T = 2(N-1) * (latency + (S/N) * 8 / bw_min)
+Direct exchanges (NoLoCo, GASLoC, SparseLoCo: the daemon's pushes) go through the fluid
+flow model of ``sim/flows.py``. How rounds follow each other (the daemon's overlap and
+deadlines) is ``sim/timeline.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from locomm.sim.timeline import Deadlines, Timeline, replay_schedule
 
 _LINK_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(/s)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -71,6 +66,24 @@ class NetworkModel:
     def compute_s(self, worker: int, steps: int) -> float:
         return steps * self.step_s / self.speed[worker]
 
+    @property
+    def up_Bps(self) -> tuple[float, ...]:
+        return tuple(b / 8 for b in self.up_bps)
+
+    @property
+    def down_Bps(self) -> tuple[float, ...]:
+        return tuple(b / 8 for b in self.down_bps)
+
+    def butterfly_allreduce_s(self, members: Sequence[int], nbytes: float) -> float:
+        """hivemind's AllReduceRunner with equal parts: every member's uplink and downlink carry
+        2 S (N-1)/N (its parts out and their averages back in; the parts it reduces in and their
+        averages out), all pairs at once and chunk by chunk, so the slowest member sets the time."""
+        n = len(members)
+        if n < 2:
+            return 0.0
+        load = 2 * nbytes * (n - 1) / n * 8
+        return max(load / min(self.up_bps[m], self.down_bps[m]) for m in members) + 2 * self.latency_s
+
     def ring_allreduce_s(self, members: Sequence[int], nbytes: float) -> float:
         n = len(members)
         if n < 2:
@@ -97,31 +110,6 @@ class NetworkModel:
 
 
 @dataclass
-class Timeline:
-    """Per-worker clocks and how each worker's time was spent."""
-
-    clock: list[float]
-    compute: list[float]
-    comm: list[float]
-    idle: list[float]
-
-    @classmethod
-    def start(cls, n: int) -> "Timeline":
-        return cls([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
-
-    def wall(self) -> float:
-        return max(self.clock)
-
-    def idle_fraction(self) -> float:
-        wall = self.wall()
-        if wall <= 0:
-            return 0.0
-        # Time a worker spends waiting on others, including after it finished, over all worker-time.
-        waiting = sum(i + (wall - c) for i, c in zip(self.idle, self.clock))
-        return waiting / (wall * len(self.clock))
-
-
-@dataclass
 class RoundRecord:
     """What one round put on the network (the replayable part of a simulation)."""
 
@@ -130,46 +118,37 @@ class RoundRecord:
     bytes_sent: dict[int, float]
     """Bytes each worker sent to EACH of its peers (direct) or its contribution (collective)."""
     kind: str
-    """'allreduce', 'allgather' or 'direct'."""
+    """'direct' (the daemon's pushes), 'butterfly' (hivemind's all-reduce) or 'allreduce' (a ring, DDP)."""
     peers: dict[int, list[int]]
     """For 'direct': each worker's peers this round (absent or empty: no exchange)."""
     members: list[int]
+    raw_bytes: dict[int, float] | None = None
+    """Each worker's payload before coding (what the daemon's ETA assumes); None: = bytes_sent."""
+    answered: dict[int, list[int]] | None = None
+    """Whose payload each worker used, when the run had a network (None: everyone's)."""
 
 
-def replay(records: Sequence[RoundRecord], net: NetworkModel, workers: int,
-           on_round: "callable | None" = None) -> tuple[Timeline, list[float]]:
-    """Simulated wall-clock: per-worker timeline, and the time at which each round was done by all."""
-    tl = Timeline.start(workers)
-    round_done: list[float] = []
-    for rec in records:
-        ready = [tl.clock[w] + net.compute_s(w, rec.steps) for w in range(workers)]
-        for w in range(workers):
-            tl.compute[w] += ready[w] - tl.clock[w]
-        if rec.kind in ("allreduce", "allgather"):
-            start = max(ready[m] for m in rec.members)
-            if rec.kind == "allreduce":
-                dur = net.ring_allreduce_s(rec.members, max(rec.bytes_sent[m] for m in rec.members))
-            else:
-                dur = net.ring_allgather_s(rec.members, rec.bytes_sent)
-            for m in rec.members:
-                tl.idle[m] += start - ready[m]
-                tl.comm[m] += dur
-                tl.clock[m] = start + dur
-        else:
-            degree = {w: len(p) for w, p in rec.peers.items()}
-            new_clock = list(ready)
-            for w in range(workers):
-                peers = rec.peers.get(w, [])
-                start = max([ready[w]] + [ready[j] for j in peers])
-                dur = net.direct_exchange_s(w, peers, rec.bytes_sent, degree)
-                tl.idle[w] += start - ready[w]
-                tl.comm[w] += dur
-                new_clock[w] = start + dur
-            tl.clock = new_clock
-        round_done.append(max(tl.clock))
-        if on_round:
-            on_round(rec, tl)
-    return tl, round_done
+def replay(records: Sequence[RoundRecord], net: NetworkModel, workers: int, *, overlap: bool = True,
+           apply_delay_steps: int = 0, deadlines: "Deadlines | None" = None) -> tuple[Timeline, list[float]]:
+    """Simulated wall-clock of recorded rounds: the timeline, and when each round's model was held by all.
+
+    Valid for the numerics of the record only where no deadline fires differently on ``net``
+    (``replay_schedule`` counts those); otherwise simulate again with ``Simulator(network=net)``.
+    """
+    tl, _ = replay_schedule(records, net, workers, overlap=overlap, apply_delay_steps=apply_delay_steps,
+                            deadlines=deadlines)
+    return tl, round_done(tl, overlap)
+
+
+def round_done(tl: Timeline, overlap: bool) -> list[float]:
+    """When every worker held its round-r model (what an evaluation after round r sees): with overlap the
+    plan time of round r (its exchange is applied one round late), for the last round the end of its
+    exchange (the daemon drains it before the final evaluation); without overlap the end of round r's."""
+    if not tl.plans:
+        return []
+    if not overlap:
+        return [max(e) for e in tl.ends]
+    return [max(p) for p in tl.plans[:-1]] + [max(tl.ends[-1])]
 
 
 def flops_step_s(params: int, tokens_per_step: int, tflops: float) -> float:

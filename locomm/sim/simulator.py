@@ -3,18 +3,23 @@
 Notable:
 - Each worker is a real ``Trainer`` (same model, data and inner loop as a peer),
   all sharing one token array; only its shard and seed differ.
-- Training does not depend on timing here (rounds are synchronous in the
-  simulator), so the network is recorded, not lived: each round logs who sent how
-  many bytes to whom, and ``network.replay`` turns that log into a wall-clock
-  timeline for any link speed afterwards. One training run gives the timeline at
-  80 Mbit/s and at 10 Gbit/s.
+- The daemon's schedule (``peer/node.py``): with overlap (the default, as the daemon's)
+  a round's exchange is applied one round late, at the same step as the daemon applies
+  it (the end of the next round, or ``outer.apply_delay_steps`` into it), keeping the
+  local progress made meanwhile: theta <- phi_new + (theta_now - theta_sent), with the
+  daemon's own arithmetic (``Node._apply``). ``overlap=False`` is ``--no-overlap``.
+- Given a ``network``, each worker lives on its own timeline (``sim/timeline.py``) and
+  the daemon's deadlines decide whose payload arrives in time; a partner that misses
+  its deadline is skipped for the round, so the numerics depend on the network. Without
+  one, everybody answers, and ``network_for`` re-times the recorded traffic on any
+  network, reporting how many (round, worker) would have used other partners there
+  (when nonzero, simulate again with that network instead of trusting the replay).
 - Payload tensors pass through the daemon's own role-aware codec
-  (``compression/payload.py``: the same parts, stacks and rounding), so byte
-  counts are what the daemon sends and lossy stages really change what peers
-  receive. SparseLoCo's payload is already its codec's bytes.
-- DDP runs as one shared replica whose step averages the N workers' gradients
-  (replicas of plain data parallelism are identical by construction); its bytes
-  are those of N workers all-reducing gradients every step.
+  (``compression/payload.py``), so byte counts are what the daemon sends and lossy
+  stages really change what peers receive. SparseLoCo's payload is already its codec's
+  bytes. DiLoCo's goes raw (fp32) through hivemind's averager, as in the daemon.
+- DDP runs as one shared replica whose step averages the N workers' gradients; its
+  bytes are those of N workers ring-all-reducing gradients every step (blocking).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from locomm.compression.payload import PayloadCodec
 from locomm.config import TENSOR_ROLES, ConfigError, RunSpec
 from locomm.data import BatchSampler, TokenSplits, load_corpus
 from locomm.protocol import DDP, Exchange, Payload, build_outer
-from locomm.sim.network import NetworkModel, RoundRecord, replay
+from locomm.sim.network import NetworkModel, RoundRecord, round_done
+from locomm.sim.timeline import Deadlines, Schedule, Timeline, replay_schedule
 from locomm.train import Trainer
 
 
@@ -52,6 +58,13 @@ class SimResult:
     bytes_received: list[int] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    overlap: bool = True
+    apply_delay_steps: int = 0
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    timeline: Timeline | None = None
+    """The run's own timeline, when it was simulated on a network."""
+    round_done: list[float] = field(default_factory=list)
+    """When every worker held its round-r model, on the run's own network (empty without one)."""
 
     @property
     def final_val_loss(self) -> float:
@@ -70,13 +83,16 @@ class Simulator:
     """Runs ``spec.outer.algo`` on ``workers`` virtual workers."""
 
     def __init__(self, spec: RunSpec, workers: int, *, splits: TokenSplits | None = None,
-                 codec: str | None = None, eval_every: int = 1) -> None:
+                 codec: str | None = None, eval_every: int = 1, overlap: bool = True,
+                 network: NetworkModel | None = None) -> None:
         algo = spec.outer.algo
         if algo == "none":
             raise ConfigError("outer.algo: 'none' is single-node training; pick ddp, diloco, noloco, gasloc "
                               "or sparseloco to simulate")
         if not 2 <= workers <= 64:
             raise ConfigError(f"workers: must be in [2, 64], got {workers}")
+        if network is not None and len(network.speed) != workers:
+            raise ConfigError(f"network: built for {len(network.speed)} workers, not {workers}")
         if algo == "noloco" and spec.outer.group_size > workers:
             raise ConfigError(f"outer.group_size: {spec.outer.group_size} is larger than the {workers} workers")
         if algo == "gasloc" and spec.outer.topology == "kpeers" and spec.outer.k_peers >= workers:
@@ -88,6 +104,13 @@ class Simulator:
         self.compression = compression
         self.eval_every = max(1, eval_every)
         self.members = list(range(workers))
+        self.overlap = overlap and algo != "ddp"  # DDP is a blocking all-reduce every step
+        self.deadlines = Deadlines.from_config(spec.network)
+        self.network = network
+        self.schedule = (Schedule(network, workers, overlap=self.overlap,
+                                  apply_delay_steps=spec.outer.apply_delay_steps, deadlines=self.deadlines)
+                         if network is not None else None)
+        self.pending: list[tuple[int, dict[str, torch.Tensor], dict[int, Payload]] | None] = [None] * workers
         if algo == "ddp":
             self.trainers = [Trainer(spec, splits=self.splits)]
             self.samplers = [BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=w,
@@ -110,39 +133,71 @@ class Simulator:
 
     # -- one round -----------------------------------------------------------------
 
+    def _apply(self, w: int, r: int, sent: dict[str, torch.Tensor], got: dict[int, Payload]) -> None:
+        """``Node._apply``: the outer update of the state sent, with the local progress since kept on top."""
+        target = {k: v.clone() for k, v in sent.items()}
+        self.algos[w].apply(r, target, got)
+        with torch.no_grad():
+            for k, p in self._params(w).items():
+                p.add_(target[k] - sent[k])
+
+    def _apply_pending(self, w: int) -> None:
+        if self.pending[w] is not None:
+            self._apply(w, *self.pending[w])
+            self.pending[w] = None
+
     def _outer_round(self, r: int, res: SimResult) -> None:
         H = self.spec.outer.inner_steps
+        delay = self.spec.outer.apply_delay_steps if self.overlap else 0
         losses = []
-        for t in self.trainers:
-            for _ in range(H):
+        for w, t in enumerate(self.trainers):
+            # The daemon applies the previous round's exchange after `delay` steps of this round (0: all H).
+            first = delay if (0 < delay < H and self.pending[w] is not None) else H
+            for _ in range(first):
+                losses.append(t.train_step())
+            self._apply_pending(w)
+            for _ in range(H - first):
                 losses.append(t.train_step())
         res.train_loss.append(sum(losses) / len(losses))
+        sent = [{k: p.detach().clone() for k, p in self._params(w).items()} for w in self.members]
         plans: list[Exchange] = [a.plan(r, self.members, self._params(w)) for w, a in enumerate(self.algos)]
+        butterfly = self.spec.outer.algo == "diloco"
         wire: list[Payload] = []
         sizes: dict[int, float] = {}
         for w, plan in enumerate(plans):
-            received, nbytes = self.coder.transmit(plan.payload)
-            wire.append(received)
-            sizes[w] = nbytes
-        collective = plans[0].collective
-        kind = "direct"
-        if collective:
-            kind = "allgather" if self.spec.outer.algo == "sparseloco" else "allreduce"
-        n = len(self.members)
-        for w, (a, plan) in enumerate(zip(self.algos, plans)):
-            peers = [m for m in self.members if m != w] if collective else plan.peers
+            if butterfly:  # hivemind's averager moves raw fp32, no codec
+                wire.append(plan.payload)
+                sizes[w] = float(sum(v.numel() * v.element_size() for v in plan.payload.values()))
+            else:
+                received, nbytes = self.coder.transmit(plan.payload)
+                wire.append(received)
+                sizes[w] = nbytes
+        raw = float(max(1, self.coder.raw_bytes())) if not butterfly else None
+        peers = {w: ([m for m in self.members if m != w] if plan.collective else list(plan.peers))
+                 for w, plan in enumerate(plans)}
+        rec = RoundRecord(steps=H, bytes_sent=sizes, kind="butterfly" if butterfly else "direct",
+                          peers={} if butterfly else peers, members=list(self.members),
+                          raw_bytes=None if butterfly else {w: raw for w in self.members})
+        if self.schedule is not None:
+            answered = self.schedule.step(rec)
+            rec.answered = {w: sorted(a) for w, a in enumerate(answered)}
+        else:
+            answered = [set(peers[w]) for w in self.members]
+        res.records.append(rec)
+        for w, plan in enumerate(plans):
             got = {w: plan.payload}  # a worker's own payload never crosses the wire
-            got.update({j: wire[j] for j in peers})
-            a.apply(r, self._params(w), got)
-            if kind == "allreduce":  # ring all-reduce: each worker sends and receives 2(N-1)/N of S
-                res.bytes_sent[w] += 2 * (n - 1) / n * sizes[w]
-                res.bytes_received[w] += 2 * (n - 1) / n * sizes[w]
-            else:  # all-gather or direct: every piece reaches each peer once
-                res.bytes_sent[w] += sizes[w] * len(peers)
-                res.bytes_received[w] += sum(sizes[j] for j in peers)
-        res.records.append(RoundRecord(steps=H, bytes_sent=sizes, kind=kind,
-                                       peers={} if collective else {w: list(p.peers) for w, p in enumerate(plans)},
-                                       members=self.members))
+            got.update({j: wire[j] for j in sorted(answered[w])})
+            if butterfly:  # the daemon's count: (N-1)/N of the payload, twice, over the group that formed
+                g = len(answered[w]) + 1
+                res.bytes_sent[w] += 2 * (g - 1) / g * sizes[w]
+                res.bytes_received[w] += 2 * (g - 1) / g * sizes[w]
+            else:  # pushes go to every partner; what arrived in time is used
+                res.bytes_sent[w] += sizes[w] * len(peers[w])
+                res.bytes_received[w] += sum(sizes[j] for j in answered[w])
+            if self.overlap:
+                self.pending[w] = (r, sent[w], got)
+            else:
+                self._apply(w, r, sent[w], got)
 
     def _ddp_round(self, r: int, res: SimResult) -> None:
         t = self.trainers[0]
@@ -175,8 +230,11 @@ class Simulator:
             for w in self.members:
                 res.bytes_sent[w] += 2 * (n - 1) / n * nbytes
                 res.bytes_received[w] += 2 * (n - 1) / n * nbytes
-            res.records.append(RoundRecord(steps=1, bytes_sent={w: nbytes for w in self.members}, kind="allreduce",
-                                           peers={}, members=self.members))
+            rec = RoundRecord(steps=1, bytes_sent={w: nbytes for w in self.members}, kind="allreduce", peers={},
+                              members=self.members)
+            if self.schedule is not None:
+                self.schedule.step(rec)
+            res.records.append(rec)
         res.train_loss.append(sum(losses) / len(losses))
 
     # -- the run -------------------------------------------------------------------
@@ -189,28 +247,35 @@ class Simulator:
             raise ConfigError(f"rounds: must be >= 1, got {rounds}")
         H = self.spec.outer.inner_steps
         res = SimResult(algo=self.spec.outer.algo, workers=self.workers, rounds=rounds, inner_steps=H,
-                        bytes_sent=[0] * self.workers, bytes_received=[0] * self.workers)
+                        bytes_sent=[0] * self.workers, bytes_received=[0] * self.workers, overlap=self.overlap,
+                        apply_delay_steps=self.spec.outer.apply_delay_steps, deadlines=self.deadlines)
         t0 = time.perf_counter()
-        losses = self.evaluate()
-        res.steps.append(0)
-        res.val_loss.append(sum(losses) / len(losses))
-        res.val_spread.append(max(losses) - min(losses))
+        self._record_eval(res, 0)
         for r in range(rounds):
             if self.spec.outer.algo == "ddp":
                 self._ddp_round(r, res)
             else:
                 self._outer_round(r, res)
+            if r == rounds - 1:  # the daemon finishes the pending exchange before its final evaluation
+                for w in range(len(self.pending)):
+                    self._apply_pending(w)
             if (r + 1) % self.eval_every == 0 or r == rounds - 1:
-                losses = self.evaluate()
-                if not all(math.isfinite(v) for v in losses):
-                    raise FloatingPointError(f"{self.spec.outer.algo}: validation loss diverged at round {r}")
-                res.steps.append((r + 1) * H)
-                res.val_loss.append(sum(losses) / len(losses))
-                res.val_spread.append(max(losses) - min(losses))
+                self._record_eval(res, (r + 1) * H)
             if on_round:
                 on_round(r, res)
+        if self.schedule is not None:
+            res.timeline = self.schedule.tl
+            res.round_done = round_done(self.schedule.tl, self.overlap)
         res.wall_s = time.perf_counter() - t0
         return res
+
+    def _record_eval(self, res: SimResult, step: int) -> None:
+        losses = self.evaluate()
+        if not all(math.isfinite(v) for v in losses):
+            raise FloatingPointError(f"{self.spec.outer.algo}: validation loss diverged at step {step}")
+        res.steps.append(step)
+        res.val_loss.append(sum(losses) / len(losses))
+        res.val_spread.append(max(losses) - min(losses))
 
     def weight_distance(self) -> float:
         """Largest L2 distance between two workers' weights (0 for DDP)."""
@@ -226,10 +291,41 @@ def time_to_target(res: SimResult, round_times: list[float], target: float) -> f
     return math.inf
 
 
+@dataclass
+class NetworkRun:
+    """A run's traffic re-timed on one network."""
+
+    wall_s: float
+    round_done: list[float]
+    """When every worker held its round-r model (see ``network.round_done``)."""
+    compute_utilisation: list[float]
+    """Each worker's share of the wall-clock spent computing."""
+    mismatches: int
+    """(round, worker) whose partners on this network differ from the record's: a deadline fired
+    differently, so the record's numerics are not this network's (simulate again with network=...)."""
+    skipped: int
+    """Partner payloads a worker went on without on this network."""
+
+    @property
+    def utilisation_mean(self) -> float:
+        return sum(self.compute_utilisation) / len(self.compute_utilisation)
+
+    @property
+    def utilisation_min(self) -> float:
+        return min(self.compute_utilisation)
+
+
 def network_for(res: SimResult, *, link_bps: float, latency_s: float, heterogeneity: float, step_s: float,
-                seed: int = 0) -> tuple[float, list[float], float]:
-    """Replay a run on a network: (wall-clock s, per-record completion times, idle fraction)."""
+                seed: int = 0, deadlines: Deadlines | None = None) -> NetworkRun:
+    """Replay a run's recorded traffic on a network, with the run's schedule and (default) its deadlines."""
     net = NetworkModel.build(res.workers, link_bps=link_bps, latency_s=latency_s, heterogeneity=heterogeneity,
                              step_s=step_s, seed=seed)
-    tl, done = replay(res.records, net, res.workers)
-    return tl.wall(), done, tl.idle_fraction()
+    return replay_on(res, net, deadlines=deadlines)
+
+
+def replay_on(res: SimResult, net: NetworkModel, *, deadlines: Deadlines | None = None) -> NetworkRun:
+    tl, mismatches = replay_schedule(res.records, net, res.workers, overlap=res.overlap,
+                                     apply_delay_steps=res.apply_delay_steps,
+                                     deadlines=deadlines if deadlines is not None else res.deadlines)
+    return NetworkRun(wall_s=tl.wall(), round_done=round_done(tl, res.overlap),
+                      compute_utilisation=tl.compute_utilisation(), mismatches=mismatches, skipped=tl.skipped)

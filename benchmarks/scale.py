@@ -1,0 +1,234 @@
+"""NoLoCo against tuned DiLoCo past 16 workers: time to target over heterogeneous 80 Mbit/s links.
+
+Two parts, both resumable (one JSON per run in benchmarks/results/scale/, skipped when on disk):
+
+``run``: real nano numerics in the simulator at 16, 32 and 64 workers (the budget of
+benchmarks/tune.py: batch 8 x 128, H = 20, 15 rounds, seed 2, evaluated every round), the daemon's
+schedule (overlap) and deadlines live on the network, so a partner that misses its deadline is
+skipped and the numerics are that network's. Settings: each algorithm's best point of
+benchmarks/tune.py where its sweep is on disk, else its documented default (the JSON says which).
+Network: per-worker links 80 Mbit/s x 10^(-u), u ~ U(0, 1) (heterogeneity 1.0, up = down), compute
+speeds spread the same way, 30 ms latency, compute at 10 TFLOP/s for a speed-1 worker. Traffic and
+compute are those of a 125M-parameter model (bytes and FLOPs x 125M / nano, done as link, floor rate
+and compute speed / k; the fixed timeouts in seconds stay as they are). DiLoCo runs twice: as the
+daemon configures hivemind (step and all-reduce timeout = network.request_timeout_s = 30 s), and with
+that timeout sized to the payload (request_timeout_s = 3600 s).
+
+``replay``: 256 and 1024 workers, timeline only. Assumptions (stated in the README): the loss after
+round r is the one measured at 64 workers after round r (the curves of ``run``), for every N; NoLoCo
+pairs come from the protocol's own seeded groups, DiLoCo is the butterfly cost model; same network
+draw rule, same 125M scaling; no deadlines fire (checked: the replay counts them).
+
+    nice -n 19 python benchmarks/scale.py run            # 16/32/64 workers; hours on 2 shared cores
+    python benchmarks/scale.py replay                     # 256/1024 workers from the 64-worker curves
+    python benchmarks/scale.py table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import tune  # noqa: E402  (benchmarks/tune.py: the budget and the sweep's results)
+
+OUT = HERE / "results" / "scale"
+SCALED_PARAMS = 125e6
+NET = dict(link_bps=80e6, latency_s=0.030, heterogeneity=1.0)
+SEED = 2
+RUNS = {  # name -> (algo, extra spec changes)
+    "noloco": ("noloco", {}),
+    "diloco": ("diloco", {}),
+    "diloco_sized_timeout": ("diloco", {"request_timeout_s": 3600.0}),
+}
+
+
+def setting(algo: str) -> tuple[dict[str, float], str]:
+    b = tune.best(algo)
+    if b is not None and len(tune.sweep_results(algo)) == 12:
+        return b["params"], "tuned (benchmarks/tune.py, complete sweep)"
+    if b is not None:
+        return b["params"], f"best of {len(tune.sweep_results(algo))}/12 sweep points so far"
+    return tune.grid(algo)[0], "documented default (no sweep on disk)"
+
+
+def write_atomic(path: Path, obj: Any) -> None:
+    tune.write_atomic(path, obj)
+
+
+def scaled_network(workers: int, k: float, step_s: float) -> Any:
+    from locomm.sim import NetworkModel
+
+    return NetworkModel.build(workers, link_bps=NET["link_bps"] / k, latency_s=NET["latency_s"],
+                              heterogeneity=NET["heterogeneity"], step_s=step_s * k, seed=0)
+
+
+def run_one(name: str, workers: int, splits: Any, rounds: int) -> dict[str, Any]:
+    from locomm.model import build_model
+    from locomm.sim import Simulator
+    from locomm.sim.network import flops_step_s
+
+    algo, net_changes = RUNS[name]
+    kw, why = setting(algo)
+    spec = tune.base_spec(SEED).replace("outer", algo=algo, **kw).replace("train", steps=rounds * tune.H)
+    params = build_model(spec.model).num_parameters()
+    k = SCALED_PARAMS / params
+    # Bytes x k is link / k; so the floor rate too. Timeouts in seconds stay.
+    spec = spec.replace("network", min_rate_mbit=spec.network.min_rate_mbit / k, **net_changes)
+    step_s = flops_step_s(params, spec.data.batch_size * spec.data.seq_len, tune.TFLOPS)
+    net = scaled_network(workers, k, step_s)
+    t0 = time.perf_counter()
+    sim = Simulator(spec, workers, splits=splits, network=net)
+    res = sim.run(rounds)
+    tl = res.timeline
+    util = tl.compute_utilisation()
+    return {"name": name, "algo": algo, "params": kw, "setting": why, "workers": workers, "rounds": rounds,
+            "seed": SEED, "scaled_params": SCALED_PARAMS, "network": NET, "network_changes": net_changes,
+            "final_val_loss": res.final_val_loss, "steps": res.steps, "val_loss": res.val_loss,
+            "curve_s": res.curve_times(res.round_done), "round_done": res.round_done, "wall_s": tl.wall(),
+            "compute_utilisation_mean": sum(util) / len(util), "compute_utilisation_min": min(util),
+            "partners_skipped": tl.skipped, "transfers_cut": tl.cut,
+            "bytes_sent_per_worker_nano": sum(res.bytes_sent) / workers,
+            "real_s": time.perf_counter() - t0,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def cmd_run(a: argparse.Namespace) -> None:
+    import torch
+
+    from locomm.data import load_corpus
+
+    torch.set_num_threads(a.threads)
+    splits = load_corpus(tune.base_spec(SEED).data)
+    for workers in a.workers:
+        for name in a.runs:
+            path = OUT / f"w{workers}_{name}.json"
+            if path.exists():
+                continue
+            r = run_one(name, workers, splits, a.rounds)
+            write_atomic(path, r)
+            print(f"{name:22s} x{workers:<3d} val {r['final_val_loss']:.4f} wall {r['wall_s']:.0f} s "
+                  f"util {100 * r['compute_utilisation_mean']:.0f}% skipped {r['partners_skipped']} "
+                  f"({r['real_s']:.0f} s real, {r['peak_rss_mb']:.0f} MB)", flush=True)
+
+
+def replay_one(algo: str, workers: int, rounds: int, nano_bytes: float, raw: float, step_s: float, k: float,
+               sized_timeout: bool = True) -> dict[str, Any]:
+    from locomm.protocol.schedule import group_of, noloco_groups
+    from locomm.sim.network import RoundRecord, round_done
+    from locomm.sim.timeline import Deadlines, replay_schedule
+
+    members = list(range(workers))
+    recs = []
+    for r in range(rounds):
+        if algo == "noloco":
+            groups = noloco_groups(r, members, 2, 0)
+            peers = {w: [g for g in group_of(w, groups) if g != w] for w in members}
+            recs.append(RoundRecord(steps=tune.H, bytes_sent={w: nano_bytes for w in members}, kind="direct",
+                                    peers=peers, members=members, raw_bytes={w: raw for w in members}))
+        else:
+            recs.append(RoundRecord(steps=tune.H, bytes_sent={w: nano_bytes for w in members}, kind="butterfly",
+                                    peers={}, members=members))
+    net = scaled_network(workers, k, step_s)
+    from locomm.config import NetworkConfig
+
+    cfg = NetworkConfig()
+    dl = Deadlines.from_config(cfg)
+    dl = Deadlines(stall_timeout_s=dl.stall_timeout_s, min_rate_Bps=dl.min_rate_Bps / k, rate_window_s=dl.rate_window_s,
+                   max_wait_s=dl.max_wait_s,
+                   request_timeout_s=3600.0 if algo == "diloco" and sized_timeout else dl.request_timeout_s)
+    tl, mismatches = replay_schedule(recs, net, workers, overlap=True, deadlines=dl)
+    util = tl.compute_utilisation()
+    return {"round_done": round_done(tl, True), "wall_s": tl.wall(), "mismatches": mismatches,
+            "partners_skipped": tl.skipped, "transfers_cut": tl.cut,
+            "compute_utilisation_mean": sum(util) / len(util), "compute_utilisation_min": min(util)}
+
+
+def cmd_replay(a: argparse.Namespace) -> None:
+    from locomm.model import build_model
+    from locomm.sim.network import flops_step_s
+
+    base = {n: tune.load(OUT / f"w64_{n}.json") for n in ("noloco", "diloco_sized_timeout")}
+    spec = tune.base_spec(SEED)
+    params = build_model(spec.model).num_parameters()
+    k = SCALED_PARAMS / params
+    step_s = flops_step_s(params, spec.data.batch_size * spec.data.seq_len, tune.TFLOPS)
+    raw = 4.0 * params
+    for workers in a.workers:
+        for name, algo in (("noloco", "noloco"), ("diloco_sized_timeout", "diloco"), ("diloco", "diloco")):
+            path = OUT / f"replay_w{workers}_{name}.json"
+            if path.exists():
+                continue
+            # Bytes per push as the 64-worker run measured them (NoLoCo: lossless theta; DiLoCo: raw fp32).
+            b = base.get(name)
+            nano_bytes = raw if algo == "diloco" else (b["bytes_sent_per_worker_nano"] / b["rounds"] if b else raw)
+            r = replay_one(algo, workers, a.rounds, nano_bytes, raw, step_s, k, sized_timeout=name != "diloco")
+            r.update({"name": name, "workers": workers, "rounds": a.rounds, "bytes_per_push_nano": nano_bytes,
+                      "loss_curve_from": "w64" if b else None,
+                      "val_loss": b["val_loss"] if b else None, "steps": b["steps"] if b else None})
+            write_atomic(path, r)
+            print(f"replay {name:22s} x{workers:<5d} wall {r['wall_s']:.0f} s util "
+                  f"{100 * r['compute_utilisation_mean']:.0f}% mismatches {r['mismatches']}", flush=True)
+
+
+def ttt(steps: list[int], val: list[float], round_done: list[float], target: float) -> float:
+    for s, v in zip(steps, val):
+        if v <= target:
+            return 0.0 if s == 0 else round_done[s // tune.H - 1]
+    return math.inf
+
+
+def cmd_table(a: argparse.Namespace) -> None:
+    print("| workers | run | setting | val loss | vs DiLoCo | t->target (s) | speed-up vs DiLoCo | wall (s) | "
+          "compute util. mean / min | partners skipped |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for workers in (16, 32, 64, 256, 1024):
+        rows = {n: tune.load(OUT / f"w{workers}_{n}.json") for n in RUNS}
+        for n in ("noloco", "diloco_sized_timeout"):
+            if rows.get(n) is None and (rp := tune.load(OUT / f"replay_w{workers}_{n}.json")) is not None:
+                rows[n] = {**rp, "final_val_loss": rp["val_loss"][-1] if rp.get("val_loss") else math.nan,
+                           "setting": "replay of the 64-worker curve", "partners_skipped": rp["mismatches"]}
+        ref = rows.get("diloco_sized_timeout")
+        if ref is None or not ref.get("val_loss"):
+            continue
+        target = 1.02 * ref["final_val_loss"]
+        t_ref = ttt(ref["steps"], ref["val_loss"], ref["round_done"], target)
+        for n, r in rows.items():
+            if r is None or not r.get("val_loss"):
+                continue
+            t = ttt(r["steps"], r["val_loss"], r["round_done"], target)
+            rel = 100 * (r["final_val_loss"] / ref["final_val_loss"] - 1)
+            sp = f"{t_ref / t:.2f}x" if math.isfinite(t) and t > 0 and math.isfinite(t_ref) else "-"
+            print(f"| {workers} | {n} | {r.get('setting', '')} | {r['final_val_loss']:.4f} | {rel:+.1f}% | "
+                  f"{'-' if math.isinf(t) else f'{t:.0f}'} | {sp} | {r['wall_s']:.0f} | "
+                  f"{100 * r['compute_utilisation_mean']:.0f}% / {100 * r['compute_utilisation_min']:.0f}% | "
+                  f"{r.get('partners_skipped', '-')} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--workers", type=int, nargs="+", default=[16, 32, 64])
+    r.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    r.add_argument("--rounds", type=int, default=tune.ROUNDS)
+    r.add_argument("--threads", type=int, default=1)
+    p = sub.add_parser("replay")
+    p.add_argument("--workers", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--rounds", type=int, default=tune.ROUNDS)
+    sub.add_parser("table")
+    a = ap.parse_args()
+    {"run": cmd_run, "replay": cmd_replay, "table": cmd_table}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

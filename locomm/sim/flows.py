@@ -1,0 +1,158 @@
+"""A fluid model of concurrent transfers: max-min fair sharing of every peer's uplink and downlink.
+
+Each transfer (a ``Flow``) runs from ``start`` at the rate progressive filling gives it: all active
+flows' rates grow together until a link (a sender's uplink or a receiver's downlink) is full, the
+flows through that link freeze, and the rest grow on (TCP flows sharing a bottleneck come close to
+this). Rates change only when a flow starts, ends or is cut, so the run is a short event loop.
+
+The daemon's byte-sized deadlines (``rpc.Link``) act on each flow:
+- floor rate: over any ``window_s`` of the transfer it must move ``floor_Bps * window_s`` bytes, or it
+  is cut (checked at event times and every window/8 while a flow runs below the floor);
+- size deadline: it must end within ``request_timeout_s + nbytes / floor_Bps`` of its start.
+A stall (no bytes for ``stall_timeout_s``) cannot happen in a fluid model: an active flow always moves.
+
+Flows that share no link are independent, so ``run_flows`` splits them into connected components
+first (NoLoCo pairs and GASLoC matchings are components of two flows each).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Flow:
+    src: int
+    dst: int
+    nbytes: float
+    start: float
+    done: float = math.inf
+    """Time the last byte arrived (inf: cut, or never)."""
+    cut: float = math.inf
+    """Time the receiver's deadlines cut the transfer off (inf: not cut)."""
+    history: list[tuple[float, float]] = field(default_factory=list)
+
+    def moved_at(self, t: float) -> float:
+        """Bytes moved by time ``t`` (piecewise linear between recorded events)."""
+        h = self.history
+        if not h or t <= h[0][0]:
+            return 0.0
+        for (t0, b0), (t1, b1) in zip(h, h[1:]):
+            if t <= t1:
+                return b0 + (b1 - b0) * (t - t0) / (t1 - t0) if t1 > t0 else b1
+        return h[-1][1]
+
+
+@dataclass(frozen=True)
+class FlowLimits:
+    """The daemon's per-transfer deadlines (``rpc.Limits``); floor 0 disables them."""
+
+    floor_Bps: float = 0.0
+    window_s: float = math.inf
+    request_timeout_s: float = math.inf
+
+
+def maxmin_rates(src: np.ndarray, dst: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """Max-min fair rates (bytes/s) of flows src[i] -> dst[i] under per-node up/down capacities."""
+    n = len(src)
+    rate = np.zeros(n)
+    frozen = np.zeros(n, dtype=bool)
+    cap_up = up.astype(float).copy()
+    cap_down = down.astype(float).copy()
+    while not frozen.all():
+        live = ~frozen
+        n_up = np.bincount(src[live], minlength=len(up)).astype(float)
+        n_down = np.bincount(dst[live], minlength=len(down)).astype(float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share_up = np.where(n_up > 0, cap_up / n_up, np.inf)
+            share_down = np.where(n_down > 0, cap_down / n_down, np.inf)
+        inc = min(share_up.min(), share_down.min())
+        rate[live] += inc
+        cap_up -= inc * n_up
+        cap_down -= inc * n_down
+        full_up = cap_up <= 1e-9 * np.maximum(up, 1.0)
+        full_down = cap_down <= 1e-9 * np.maximum(down, 1.0)
+        frozen |= full_up[src] | full_down[dst]
+    return rate
+
+
+def _components(flows: Sequence[Flow]) -> list[list[int]]:
+    """Groups of flow indices that share a link (union-find over uplinks and downlinks)."""
+    parent: dict[tuple[str, int], tuple[str, int]] = {}
+
+    def find(x: tuple[str, int]) -> tuple[str, int]:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for f in flows:
+        a, b = find(("u", f.src)), find(("d", f.dst))
+        if a != b:
+            parent[a] = b
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, f in enumerate(flows):
+        groups.setdefault(find(("u", f.src)), []).append(i)
+    return list(groups.values())
+
+
+def run_flows(flows: Sequence[Flow], up_Bps: Sequence[float], down_Bps: Sequence[float],
+              limits: FlowLimits = FlowLimits()) -> None:
+    """Fill in each flow's ``done`` (or ``cut``) time, in place."""
+    up, down = np.asarray(up_Bps, dtype=float), np.asarray(down_Bps, dtype=float)
+    for comp in _components(flows):
+        _run_component([flows[i] for i in comp], up, down, limits)
+
+
+def _run_component(flows: list[Flow], up: np.ndarray, down: np.ndarray, limits: FlowLimits) -> None:
+    left = np.array([f.nbytes for f in flows], dtype=float)
+    start = np.array([f.start for f in flows])
+    src = np.array([f.src for f in flows])
+    dst = np.array([f.dst for f in flows])
+    open_ = np.ones(len(flows), dtype=bool)  # neither finished nor cut
+    for f in flows:
+        f.history = [(f.start, 0.0)]
+        if f.nbytes <= 0:
+            f.done = f.start
+    open_ &= left > 0
+    floor = limits.floor_Bps
+    size_deadline = start + limits.request_timeout_s + (left / floor if floor > 0 else math.inf)
+    checks = {float(s + limits.window_s) for s in start} if floor > 0 else set()
+    t = float(start[open_].min()) if open_.any() else 0.0
+    while open_.any():
+        active = open_ & (start <= t + 1e-12)
+        if not active.any():
+            t = float(start[open_].min())
+            continue
+        idx = np.flatnonzero(active)
+        rates = maxmin_rates(src[idx], dst[idx], up, down)
+        finish = left[idx] / rates
+        candidates = [t + float(finish.min())]
+        later = start[open_ & ~active]
+        if len(later):
+            candidates.append(float(later.min()))
+        if floor > 0:
+            candidates.append(float(size_deadline[idx].min()))
+            candidates += [c for c in checks if c > t + 1e-12]
+            if (rates < floor).any():
+                candidates.append(t + limits.window_s / 8)
+        t_next = max(min(candidates), t + 1e-12)
+        dt = t_next - t
+        left[idx] -= rates * dt
+        t = t_next
+        for j, i in enumerate(idx):
+            f = flows[i]
+            f.history.append((t, f.nbytes - max(0.0, left[i])))
+            if left[i] <= 1e-6 * max(1.0, f.nbytes):
+                f.done = t
+                open_[i] = False
+            elif floor > 0 and (t >= size_deadline[i] - 1e-12 or (
+                    t - f.start >= limits.window_s - 1e-9
+                    and f.history[-1][1] - f.moved_at(t - limits.window_s) < floor * limits.window_s * (1 - 1e-9))):
+                f.cut = t
+                open_[i] = False

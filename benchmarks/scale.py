@@ -11,8 +11,9 @@ Network: per-worker links 80 Mbit/s x 10^(-u), u ~ U(0, 1) (heterogeneity 1.0, u
 speeds spread the same way, 30 ms latency, compute at 10 TFLOP/s for a speed-1 worker. Traffic and
 compute are those of a 125M-parameter model (bytes and FLOPs x 125M / nano, done as link, floor rate
 and compute speed / k; the fixed timeouts in seconds stay as they are). DiLoCo runs twice: as the
-daemon configures hivemind (step and all-reduce timeout = network.request_timeout_s = 30 s), and with
-that timeout sized to the payload (request_timeout_s = 3600 s).
+daemon configured hivemind when these replays ran (step and all-reduce timeout = network.request_timeout_s
+= 30 s), and with a 3600 s timeout. (The daemon now sizes the all-reduce deadline by bytes, as the
+simulator's timeline does; rerun the replays to see that rule.)
 
 ``replay``: 256 and 1024 workers, timeline only. Assumptions (stated in the README): the loss after
 round r is the one measured at 64 workers after round r (the curves of ``run``), for every N; NoLoCo

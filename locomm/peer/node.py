@@ -609,8 +609,14 @@ class Node:
         group = self.opts.wait_for_peers if self.opts.wait_for_peers > 1 else None
         # Built on the loop's thread: DecentralizedAverager installs signal handlers, which only the
         # main thread may do. It blocks the loop for a moment at start-up, before any training.
+        # The all-reduce's deadline is sized by its bytes like every transfer's: each member sends and
+        # receives 2 * S * (N - 1) / N < 2 S bytes, at no less than the floor rate.
+        net = self.spec.network
+        payload_bytes = 4 * sum(math.prod(t.shape) for t in self.codec.tensors)
+        allreduce_s = net.request_timeout_s + 2 * payload_bytes / (net.min_rate_mbit * 1e6 / 8)
         self.averager = AveragerExchange(names, shapes, run_id=self.run_id, initial_peers=bootstrap,
-                                         timeout=self.spec.network.request_timeout_s, group_size=group)
+                                         timeout=net.request_timeout_s, allreduce_timeout=allreduce_s,
+                                         group_size=group)
 
     async def _shutdown(self) -> None:
         if self.averager is not None:

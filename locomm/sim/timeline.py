@@ -31,8 +31,9 @@ Exchanges, by how the daemon runs them:
   all pairs at once, chunk by chunk, so each member's uplink and downlink each carry
   2 * S * (N - 1) / N bytes and everybody waits for the slowest member:
       T = max_i 2 * S * (N - 1) / N / min(up_i, down_i) + 2 * latency.
-  If T exceeds the averager's ``allreduce_timeout`` (the daemon passes ``request_timeout_s``) the step
-  fails for the whole group at assembly + timeout, and every member steps alone.
+  If T exceeds the averager's ``allreduce_timeout`` (the daemon sizes it by bytes:
+  ``request_timeout_s + 2 S / floor rate``) the step fails for the whole group at assembly + that
+  timeout, and every member steps alone.
 - ``allreduce`` (DDP, simulator only): a barrier on the slowest member, then a ring,
   T = 2 (N - 1) (latency + (S / N) / bw_min).
 
@@ -265,9 +266,11 @@ class Schedule:
         assembled = last + MATCHMAKING_LATENCIES * self.net.latency_s
         nbytes = max(rec.bytes_sent[m] for m in group)
         dur = self.net.butterfly_allreduce_s(group, nbytes)
-        ok = dur <= timeout
+        # The daemon sizes the all-reduce's deadline by its bytes (peer/node.py, _start_averager).
+        ar_timeout = timeout + (2 * nbytes / self.dl.min_rate_Bps if self.dl.min_rate_Bps > 0 else math.inf)
+        ok = dur <= ar_timeout
         for m in group:
-            end[m] = assembled + (dur if ok else timeout)
+            end[m] = assembled + (dur if ok else ar_timeout)
             if ok:
                 got[m] = set(group) - {m}
             else:

@@ -41,6 +41,20 @@ def swarm_spec(tmp: Path, max_faults: int = 3, parameter_codec: str = "lossless"
     return path
 
 
+def run_pair(tmp_path: Path, cfg: Path, *args: str) -> list["Peer"]:
+    """Two peers (shards 0/2 and 1/2, b joining a) run to the end; both exit 0, and are cleaned up."""
+    peers: list[Peer] = []
+    try:
+        peers.append(Peer(tmp_path, "a", cfg, *args, "--shard", "0/2"))
+        peers.append(Peer(tmp_path, "b", cfg, *args, "--shard", "1/2", initial=peers[0].address()))
+        for p in peers:
+            assert p.wait(timeout=240) == 0, p.errfile.read_text()[-3000:]
+    finally:
+        for p in peers:
+            p.kill_group()
+    return peers
+
+
 class Peer:
     def __init__(self, tmp: Path, name: str, config: Path, *args: str, initial: str | None = None) -> None:
         self.log = tmp / f"{name}.jsonl"
@@ -176,18 +190,10 @@ def test_two_peer_noloco_matches_simulator(tmp_path, codec):
     rounds = 3
     spec = RunSpec.load(cfg)
     args = ("--until-round", str(rounds), "--no-overlap", "--wait-for-peers", "2")
-    peers: list[Peer] = []
-    try:
-        peers.append(Peer(tmp_path, "a", cfg, *args, "--shard", "0/2"))
-        peers.append(Peer(tmp_path, "b", cfg, *args, "--shard", "1/2", initial=peers[0].address()))
-        for p in peers:
-            assert p.wait(timeout=240) == 0, p.errfile.read_text()[-3000:]
-    finally:
-        for p in peers:
-            p.kill_group()
+    peers = run_pair(tmp_path, cfg, *args)
     for p in peers:
         assert all(e["answered"] == 1 for e in p.events("round")), p.events("round")
-    sim = Simulator(spec, 2)
+    sim = Simulator(spec, 2, overlap=False)  # the daemon ran with --no-overlap
     res = sim.run(rounds)
     for w, (p, algo) in enumerate(zip(peers, sim.algos)):
         net = load_file(str(p.weights))

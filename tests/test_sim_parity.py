@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from locomm.config import RunSpec
 from locomm.sim import Simulator
-from test_peer import Peer, swarm_spec
+from test_peer import run_pair, swarm_spec
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -26,15 +26,7 @@ def test_two_peer_noloco_with_overlap_matches_simulator(tmp_path, delay):
     rounds = 3
     spec = RunSpec.load(cfg)
     args = ("--until-round", str(rounds), "--wait-for-peers", "2")  # overlap is the daemon's default
-    peers: list[Peer] = []
-    try:
-        peers.append(Peer(tmp_path, "a", cfg, *args, "--shard", "0/2"))
-        peers.append(Peer(tmp_path, "b", cfg, *args, "--shard", "1/2", initial=peers[0].address()))
-        for p in peers:
-            assert p.wait(timeout=240) == 0, p.errfile.read_text()[-3000:]
-    finally:
-        for p in peers:
-            p.kill_group()
+    peers = run_pair(tmp_path, cfg, *args)
     for p in peers:
         fin = p.events("finished")[0]
         assert fin["exchanges_ok"] == rounds and fin["exchanges_failed"] == 0, fin

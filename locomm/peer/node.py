@@ -485,6 +485,17 @@ class Node:
 
     # -- main --------------------------------------------------------------------------
 
+    async def _connect(self) -> None:
+        """Our P2P daemon and DHT node, joined to the initial peers; the swarm's run spec settled."""
+        self.p2p = await P2P.create(initial_peers=list(self.opts.initial_peers) or None,
+                                    host_maddrs=list(self.opts.host_maddrs),
+                                    announce_maddrs=list(self.opts.announce_maddrs) or None,
+                                    identity_path=str(self.opts.identity) if self.opts.identity else None)
+        self.me = self.p2p.peer_id.to_base58()
+        self.maddrs = await self.p2p.get_visible_maddrs()
+        self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=list(self.opts.initial_peers) or None)
+        await self._settle_spec()
+
     async def run(self) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -494,14 +505,7 @@ class Node:
         hb_task: asyncio.Task | None = None
         report_task: asyncio.Task | None = None
         try:
-            self.p2p = await P2P.create(initial_peers=list(self.opts.initial_peers) or None,
-                                        host_maddrs=list(self.opts.host_maddrs),
-                                        announce_maddrs=list(self.opts.announce_maddrs) or None,
-                                        identity_path=str(self.opts.identity) if self.opts.identity else None)
-            self.me = self.p2p.peer_id.to_base58()
-            self.maddrs = await self.p2p.get_visible_maddrs()
-            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=list(self.opts.initial_peers) or None)
-            await self._settle_spec()
+            await self._connect()
             self.run_id = self.spec.hash()[:16]
             self.limits = Limits.from_network(self.spec.network)
             self.faults = Faults(self.spec.network.max_faults_before_ban)

@@ -526,9 +526,6 @@ class PipelineNode(Node):
                 return
 
     async def run(self) -> dict[str, Any]:
-        from hivemind.dht import DHTNode  # noqa: PLC0415
-        from hivemind.p2p import P2P  # noqa: PLC0415
-
         from locomm.peer.metrics import Metrics  # noqa: PLC0415
         from locomm.peer.swarm import read_heartbeats  # noqa: PLC0415
 
@@ -542,14 +539,7 @@ class PipelineNode(Node):
         hb_task: asyncio.Task | None = None
         t_launch = time.perf_counter()
         try:
-            self.p2p = await P2P.create(initial_peers=list(self.opts.initial_peers) or None,
-                                        host_maddrs=list(self.opts.host_maddrs),
-                                        announce_maddrs=list(self.opts.announce_maddrs) or None,
-                                        identity_path=str(self.opts.identity) if self.opts.identity else None)
-            self.me = self.p2p.peer_id.to_base58()
-            self.maddrs = await self.p2p.get_visible_maddrs()
-            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=list(self.opts.initial_peers) or None)
-            await self._settle_spec()
+            await self._connect()
             spec = self.spec
             if spec.pipeline.stages < 2:
                 raise ConfigError("pipeline.stages: this swarm's run spec has no pipeline (stages < 2)")

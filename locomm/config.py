@@ -219,8 +219,9 @@ class OuterConfig:
     """SparseLoCo top-k density (share of each chunk of 64 that is sent)."""
     sparse_ef_beta: float = 0.95
     """SparseLoCo error-feedback decay."""
-    sparse_lr: float = 1.0
-    """SparseLoCo outer learning rate alpha."""
+    sparse_lr: float = 3.0
+    """SparseLoCo outer learning rate alpha. 3.0: the best of the tuning sweep's points run so far under the
+    paper's aggregation (benchmarks/results/tune/sparseloco, 8 workers); 1.0 suited the sender-mean rule."""
     sparseloco_aggregation: str = "all"
     """SparseLoCo's mean of the workers' sparse updates: 'all' (the paper's: over every worker of the exchange,
     an index a worker did not send counting as 0) or 'senders' (each index over the workers that sent it)."""

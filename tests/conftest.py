@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# @triton.jit reads TRITON_INTERPRET when a kernel module is imported, which may be while any test module
+# is collected (the codecs import their kernels): so it is set here, before all of them. Without a GPU the
+# Triton kernels can only run interpreted; tests that need it unset unset it themselves.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from locomm.config import RunSpec
 

@@ -485,6 +485,17 @@ class Node:
 
     # -- main --------------------------------------------------------------------------
 
+    def _make_services(self) -> None:
+        """The RPC server, gossip over ``self.codec`` and the state server (not yet added to the server)."""
+        cfg = self.spec.network
+        self.rpc = RpcServer(self.p2p, self.run_id, self.limits, self.codec_pool, authorize=self._authorize,
+                             is_banned=lambda peer: peer in self.faults.banned, on_fault=self.faults.record)
+        self.gossip = Gossip(self.p2p, self.rpc, run_id=self.run_id, me=self.me, codec=self.codec,
+                             limits=self.limits, faults=self.faults,
+                             max_body_bytes=int(cfg.max_message_mb * 2**20), streams=cfg.streams_per_transfer,
+                             parallel_threshold=int(cfg.parallel_threshold_mb * 2**20), max_wait_s=cfg.max_wait_s)
+        self.state_server = StateServer(self.run_id)
+
     async def _connect(self) -> None:
         """Our P2P daemon and DHT node, joined to the initial peers; the swarm's run spec settled."""
         self.p2p = await P2P.create(initial_peers=list(self.opts.initial_peers) or None,
@@ -519,15 +530,8 @@ class Node:
             shard = self.opts.shard or (int(self.me.encode().hex()[-8:], 16) % 64, 64)
             await self.compute(self._build, shard)
             self.metrics = Metrics(self.opts.metrics_port, self.me, host=self.opts.metrics_host)
-            cfg = self.spec.network
             self.codec = self._payload_codec()
-            self.rpc = RpcServer(self.p2p, self.run_id, self.limits, self.codec_pool, authorize=self._authorize,
-                                 is_banned=lambda peer: peer in self.faults.banned, on_fault=self.faults.record)
-            self.gossip = Gossip(self.p2p, self.rpc, run_id=self.run_id, me=self.me, codec=self.codec,
-                                 limits=self.limits, faults=self.faults,
-                                 max_body_bytes=int(cfg.max_message_mb * 2**20), streams=cfg.streams_per_transfer,
-                                 parallel_threshold=int(cfg.parallel_threshold_mb * 2**20), max_wait_s=cfg.max_wait_s)
-            self.state_server = StateServer(self.run_id)
+            self._make_services()
             warm = asyncio.get_running_loop().run_in_executor(self.codec_pool, self.codec.warm_up)
             await self.rpc.add(self.gossip.service())
             await self.rpc.add(self.state_server.service())

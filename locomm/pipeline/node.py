@@ -40,10 +40,10 @@ from locomm import __version__
 from locomm.compression.base import CodecError
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
-from locomm.peer.gossip import Faults, Gossip
+from locomm.peer.gossip import Faults
 from locomm.peer.node import Node, NodeOptions
-from locomm.peer.rpc import Call, Limits, RpcServer, Service, TransferCut, Unreachable, open_link
-from locomm.peer.state import Snapshot, StateServer, fetch_state
+from locomm.peer.rpc import Call, Limits, Service, TransferCut, Unreachable, open_link
+from locomm.peer.state import Snapshot, fetch_state
 from locomm.peer.swarm import Heartbeat, members_for_round, store_heartbeat
 from locomm.pipeline.model import Geometry
 from locomm.pipeline.router import route
@@ -562,17 +562,10 @@ class PipelineNode(Node):
             shard = self.opts.shard or (int(self.me.encode().hex()[-8:], 16) % 64, 64)
             await self.compute(self._build_stage, shard)
             self.metrics = Metrics(self.opts.metrics_port, self.me,
-                                   host=getattr(self.opts, "metrics_host", "127.0.0.1"))
+                                   host=self.opts.metrics_host)
             self.codec = PayloadCodec({k: tuple(v.shape) for k, v in self.params().items()}, self.algo.payload_roles,
                                       spec.compression, encoded=self.algo.payload_encoded)
-            cfg = spec.network
-            self.rpc = RpcServer(self.p2p, self.run_id, self.limits, self.codec_pool, authorize=self._authorize,
-                                 is_banned=lambda peer: peer in self.faults.banned, on_fault=self.faults.record)
-            self.gossip = Gossip(self.p2p, self.rpc, run_id=self.run_id, me=self.me, codec=self.codec,
-                                 limits=self.limits, faults=self.faults,
-                                 max_body_bytes=int(cfg.max_message_mb * 2**20), streams=cfg.streams_per_transfer,
-                                 parallel_threshold=int(cfg.parallel_threshold_mb * 2**20), max_wait_s=cfg.max_wait_s)
-            self.state_server = StateServer(self.run_id)
+            self._make_services()
             await self.compute(self.codec.warm_up)
             await self.rpc.add(self.service())
             await self.rpc.add(self.gossip.service())

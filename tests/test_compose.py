@@ -1,7 +1,8 @@
 """docker-compose.yml in a real Docker engine: a shaped 3-peer swarm trains, survives a killed peer, and
 ``down -v`` leaves nothing behind.
 
-The swarm: the bootstrap and 2 ``peer`` replicas at LINK_RATE=80mbit with compose/run.toml (nano). The
+The swarm: the bootstrap and 2 ``peer`` replicas at LINK_RATE=80mbit with compose/run.toml (nano), each
+checkpointing every round (CHECKPOINT_EVERY=1, so the kill need not wait 5 rounds for one). The
 test waits until ``locomm-peer status``, run inside the ``status`` container, shows 3 peers past round 3
 whose training loss fell; SIGKILLs one peer and checks that the other two go on; starts it again and
 checks that it resumes from its checkpoint in its volume (same data folder, same peer id, a later
@@ -91,7 +92,7 @@ class Swarm:
         self.project = project
         self.cli = _compose_cli()
         self.env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "LINK_RATE": "80mbit", "LOCOMM_IMAGE": IMAGE,
-                    "COMPOSE_HTTP_TIMEOUT": "300"}
+                    "COMPOSE_HTTP_TIMEOUT": "300", "CHECKPOINT_EVERY": "1"}
         self.loss_seen: dict[str, list[tuple[int, float]]] = {}
         self._status_id: str | None = None
 
@@ -221,6 +222,7 @@ def test_compose_swarm_trains_survives_a_kill_and_leaves_nothing(image: str) -> 
         wait_for(f"a checkpoint in {ckpt}", lambda: run(["docker", "exec", victim, "test", "-f", ckpt],
                                                          check=False).returncode == 0, PHASE_TIMEOUT_S)
         run(["docker", "kill", victim])
+        timings["killed_s"] = time.time() - t_up
         others = {cid: data_folder(cid) for cid in (boot, survivor)}
         at_kill = {cid: last_round(swarm.events(cid, f)) for cid, f in others.items()}
 
@@ -229,6 +231,7 @@ def test_compose_swarm_trains_survives_a_kill_and_leaves_nothing(image: str) -> 
             return now if all(now[c] >= at_kill[c] + 2 for c in others) else Miss(f"at kill {at_kill}, now {now}")
 
         wait_for("the 2 surviving peers to train 2 more rounds", others_go_on, PHASE_TIMEOUT_S)
+        timings["survivors_went_on_s"] = time.time() - t_up
 
         # Start it again: it takes its own data folder, resumes from its checkpoint, and trains on.
         run(["docker", "start", victim])
@@ -241,6 +244,7 @@ def test_compose_swarm_trains_survives_a_kill_and_leaves_nothing(image: str) -> 
             return starts[-1]
 
         restart = wait_for("the restarted peer to start", resumed, PHASE_TIMEOUT_S)
+        timings["restarted_s"] = time.time() - t_up
         assert restart["resumed"] is True, restart  # it loaded the checkpoint in its folder
         assert restart["peer"] == victim_id, (restart["peer"], victim_id)  # and its identity key
 
@@ -251,6 +255,7 @@ def test_compose_swarm_trains_survives_a_kill_and_leaves_nothing(image: str) -> 
             return r if r > restart["round"] else Miss(f"victim at round {r}, restarted at {restart['round']}")
 
         wait_for("the restarted peer to train a round", victim_trains, PHASE_TIMEOUT_S)
+        timings["restarted_peer_trained_s"] = time.time() - t_up
 
         def three_live() -> dict[str, Any] | Miss:
             snap = swarm.status()
@@ -262,6 +267,10 @@ def test_compose_swarm_trains_survives_a_kill_and_leaves_nothing(image: str) -> 
 
         snap = wait_for("status to show the restarted peer among 3 live ones", three_live, PHASE_TIMEOUT_S)
         timings["whole_run_s"] = time.time() - t_up
+        rounds = [e for e in swarm.events(boot, data_folder(boot)) if e["event"] == "round"]
+        timings["bootstrap_rounds"] = len(rounds)
+        timings["bootstrap_compute_s"] = sum(e["compute_s"] for e in rounds)
+        timings["bootstrap_wait_s"] = rounds[-1]["wait_s"] if rounds else 0.0
         print(json.dumps({"timings": timings, "final_status": snap}, default=float))
     finally:
         t_down = time.time()

@@ -188,6 +188,8 @@ def _parse_pipeline(text: str) -> tuple[int, int]:
 @click.option("--device", default=lambda: os.environ.get("LOCOMM_DEVICE", "auto"), show_default="auto")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Checkpoint here and resume from it.")
+@click.option("--checkpoint-every", type=int, default=5, show_default=True,
+              help="Rounds between checkpoints (one is also written at shutdown).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on METRICS_HOST:PORT (0: any free port).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address the metrics server binds; 0.0.0.0: every interface (a container's published port).")
@@ -206,8 +208,8 @@ def _parse_pipeline(text: str) -> tuple[int, int]:
 @click.option("-v", "--verbose", count=True)
 def join(initial_peers: tuple[str, ...], config: str | None, preset: str | None, algo: str | None,
          inner_steps: int | None, host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...],
-         identity: Path | None, device: str, checkpoint_dir: Path | None, metrics_port: int | None,
-         metrics_host: str, log_file: Path | None, rounds: int | None, shard: str | None, no_overlap: bool,
+         identity: Path | None, device: str, checkpoint_dir: Path | None, checkpoint_every: int,
+         metrics_port: int | None, metrics_host: str, log_file: Path | None, rounds: int | None, shard: str | None, no_overlap: bool,
          announce_file: Path | None, final_weights: Path | None, until_round: int | None, wait_for_peers: int,
          stage: str | None, as_json: bool, quiet: bool, verbose: int) -> None:
     """Join a training swarm (or start one) and train until the run ends or Ctrl-C.
@@ -228,14 +230,16 @@ def join(initial_peers: tuple[str, ...], config: str | None, preset: str | None,
             raise ConfigError(f"--stage: expected a stage number or 'auto', got {stage!r}")
         if rounds is not None and rounds < 1:
             raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
+        if checkpoint_every < 1:
+            raise ConfigError(f"--checkpoint-every: must be >= 1, got {checkpoint_every}")
     except ConfigError as e:
         fail(str(e))
     from locomm.peer.daemon import run_node  # noqa: PLC0415 - imports torch and hivemind
 
     summary = run_node(spec, initial_peers=initial_peers, spec_from_user=bool(config), host_maddrs=host_maddrs,
                        announce_maddrs=announce_maddrs, identity=identity, device=device,
-                       checkpoint_dir=checkpoint_dir, metrics_port=metrics_port, metrics_host=metrics_host,
-                       log_file=log_file, rounds=rounds,
+                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                       metrics_port=metrics_port, metrics_host=metrics_host, log_file=log_file, rounds=rounds,
                        shard=shard_t, overlap=not no_overlap, announce_file=announce_file,
                        final_weights=final_weights, until_round=until_round, wait_for_peers=wait_for_peers,
                        verbose=verbose, quiet=quiet, **({"stage": stage} if stage is not None else {}))

@@ -11,6 +11,8 @@ last K peers sit behind a NAT router each (MASQUERADE, no inbound): they dial ou
     sudo python benchmarks/links.py --config benchmarks/configs/links-nano.toml --rounds 2 --nat 1
     sudo python benchmarks/links.py --config benchmarks/configs/links-56m.toml --rounds 2 --rate 80mbit \\
         --timeout 900 --out benchmarks/results/links-56m.json
+    sudo python benchmarks/links.py --config benchmarks/configs/links-pipeline-tiny.toml --pipeline 2x2 \
+        --rate 5mbit [--no-subspace]      # pipeline mode: S x R `join --stage K` peers, one host each
 
 Per-peer link rates: ``rate * 10^(-X*u)``, u ~ U(0, 1) from ``--seed``, X = ``--rate-spread`` (the same
 draw as ``locomm-peer simulate --heterogeneity X``: sim.network.NetworkModel.build's link speeds;
@@ -75,7 +77,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep", type=Path, help="Copy the peers' logs (jsonl, stdout, stderr) here")
     ap.add_argument("--out", type=Path, help="Write the JSON here too")
     ap.add_argument("--quiet", action="store_true", help="No progress lines on stderr")
+    ap.add_argument("--pipeline", metavar="SxR",
+                    help="Pipeline mode: S stages x R replicas of `join --stage K` (one host each) train the "
+                         "config's train.steps through the stages (--peers and --rounds are not used)")
+    ap.add_argument("--no-subspace", action="store_true",
+                    help="With --pipeline: send h in the activation codec's casts, without the subspace")
     args = ap.parse_args(argv)
+    if args.pipeline:
+        try:
+            s, r = (int(x) for x in args.pipeline.lower().split("x"))
+        except ValueError:
+            ap.error(f"--pipeline: expected STAGESxREPLICAS, e.g. 2x2, got {args.pipeline!r}")
+        if s < 2 or r < 1 or s * r > 16:
+            ap.error(f"--pipeline: need 2+ stages, 1+ replicas, at most 16 peers; got {args.pipeline}")
+        args.stages, args.replicas = s, r
+        args.peers = s * r
     if not 2 <= args.peers <= 64:
         ap.error(f"--peers must be in [2, 64], got {args.peers}")
     if args.rounds < 1:
@@ -340,12 +356,65 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
     state["t_end"] = time.perf_counter()
 
 
+def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
+    """S x R stage peers, one shaped host each; the pipeline swarm's summary plus the links."""
+    from locomm.pipeline.swarm import run_pipeline_swarm  # noqa: PLC0415
+
+    spec = spec.replace("pipeline", stages=args.stages, subspace=not args.no_subspace)
+    n = args.stages * args.replicas
+    rates = link_rates(n, args.rate, args.rate_spread, args.seed)
+    result: dict[str, Any] = {
+        "bench": "links-pipeline", "config": str(args.config), "spec_hash": spec.hash(), "stages": args.stages,
+        "replicas": args.replicas, "subspace": spec.pipeline.subspace, "k": spec.model.d_model //
+        spec.compression.subspace_rate, "d_model": spec.model.d_model, "params": param_count(spec),
+        "batch": [spec.data.batch_size, spec.data.seq_len], "micro_batch_size": spec.pipeline.micro_batch_size,
+        "in_flight": spec.pipeline.in_flight, "activation_codec": spec.compression.activation,
+        "train_steps": spec.train.steps, "rate": args.rate, "rate_spread": args.rate_spread, "rates_bps": rates,
+        "cpus": os.cpu_count(), "started_at": time.time(), "error": None,
+    }
+    code = 0
+    try:
+        with netlab.Lab(grace_s=args.grace) as lab:
+            hosts = [lab.add_host(f"p{i}", rate=rates[i]) for i in range(n)]
+            for h in hosts:
+                log(args, f"links: {h}")
+            summary = run_pipeline_swarm(
+                spec, stages=args.stages, replicas=args.replicas, quiet=args.quiet, keep=args.keep,
+                peer_args=("--device", args.device, *args.peer_arg),
+                spawn=lambda i, cmd, **kw: hosts[i].popen(cmd, **kw),
+                host_maddr=lambda i: f"/ip4/{hosts[i].ip}/tcp/0")
+        result.update(summary)
+        if summary.get("failed_peers") or summary.get("interrupted"):
+            code = 1
+    except Exception as e:  # noqa: BLE001 - still write what we have
+        result["error"] = f"{type(e).__name__}: {e}"
+        code = 1
+    result = {k: v for k, v in result.items() if k != "events"}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
+    log(args, f"links: pipeline {args.pipeline} subspace={spec.pipeline.subspace} at {args.rate}: "
+              f"{result.get('tokens_per_s')} tokens/s, loss {result.get('initial_loss')} -> {result.get('final_loss')}, "
+              f"{result.get('bytes_per_token_per_boundary')} B/token/boundary, error {result['error']}")
+    print(json.dumps(result, sort_keys=True, default=str), flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ok, why = netlab.available(nat=args.nat > 0)
     if not ok:
         print(f"error: netlab unavailable: {why}", file=sys.stderr)
         return 2
+    if args.pipeline:
+        try:
+            spec = RunSpec.load(args.config)
+            if args.algo:
+                spec = spec.replace("outer", algo=args.algo)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return run_pipeline_bench(args, spec)
     try:
         spec = RunSpec.load(args.config)
         if args.algo:

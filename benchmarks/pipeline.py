@@ -5,6 +5,8 @@ the stage server's compute and codecs, in one process):
 
 - ``tiny32``: the tiny preset (d=256, 8 layers), k = 8 (32x), S stages x 1 replica;
 - ``tiny32_plain``: the same pipeline without the subspace (h in bf16 + lossless);
+- ``tiny32_free``: tiny32 with the whole last stage unconstrained (``pipeline.free_tail_layers`` = all of
+  its blocks; only blocks before the last boundary must write into span(U)), against node0's 2;
 - ``tiny_unsplit``: the ordinary single-process model (``locomm.train.train``);
 - ``wide100`` / ``wide100_plain`` / ``wide_unsplit``: d=512 (``--wide-layers``, default 4; 8 heads, d_ff 1408),
   k = 5 (~100x).
@@ -44,8 +46,9 @@ def spec_for(name: str, steps: int, stages: int, wide_layers: int = 4) -> RunSpe
         rate = 32
     spec = spec.replace("train", steps=steps, eval_batches=16)
     spec = spec.replace("compression", activation=CODEC, act_gradient=CODEC, subspace_rate=rate)
+    free = spec.model.n_layers if name.endswith("_free") else 2
     return spec.replace("pipeline", stages=stages, micro_batch_size=4, in_flight=2,
-                        subspace=not name.endswith("_plain"))
+                        subspace=not name.endswith("_plain"), free_tail_layers=free)
 
 
 def run_one(name: str, steps: int, stages: int, wide_layers: int = 4) -> dict[str, Any]:
@@ -64,7 +67,7 @@ def run_one(name: str, steps: int, stages: int, wide_layers: int = 4) -> dict[st
     sim = PipelineSim(spec, 1)
     res = sim.run(steps)
     out = summarize(sim, res, link_bps=80e6, latency_s=0.03, tflops=10.0)
-    out.update(run=name, kind="pipeline", tokens=steps * res.tokens_per_step, wall_s=time.perf_counter() - t0)
+    out.update(free_tail_layers=spec.pipeline.free_tail_layers, run=name, kind="pipeline", tokens=steps * res.tokens_per_step, wall_s=time.perf_counter() - t0)
     return out
 
 
@@ -74,7 +77,7 @@ def table(results: list[dict[str, Any]]) -> str:
              f"{'B/tok/bdry':>11} {'fwd':>7} {'bwd':>7} {'2d bf16':>7}"]
     for r in results:
         fam = r["run"].split("_")[0].rstrip("0123456789")
-        plain = by.get(f"{r['run']}_plain") if not r["run"].endswith(("_plain", "_unsplit")) else None
+        plain = by.get(f"{r['run'].removesuffix('_free')}_plain") if not r["run"].endswith(("_plain", "_unsplit")) else None
         unsplit = by.get(f"{fam}_unsplit")
 
         def rel(o: dict[str, Any] | None) -> str:
@@ -112,7 +115,7 @@ def main() -> None:
                 results.append({"run": "tiny_unsplit", "kind": "unsplit", "d_model": 256, "steps": t["steps"],
                                 "final_val_loss": t["val_loss"], "final_train_loss": t["train_loss"],
                                 "uncompressed_bf16_bytes_per_token": 512, "source": "benchmarks/results/train.json"})
-        order = ["tiny32", "tiny32_plain", "tiny_unsplit", "wide100", "wide100_plain", "wide_unsplit"]
+        order = ["tiny32", "tiny32_free", "tiny32_plain", "tiny_unsplit", "wide100", "wide100_plain", "wide_unsplit"]
         results.sort(key=lambda r: order.index(r["run"]) if r["run"] in order else 99)
         print(table(results))
         out = args.out or HERE / "results" / "pipeline.json"

@@ -65,6 +65,7 @@ class Geometry:
     vocab_size: int
     seed: int
     subspace: bool
+    free_tail: int = 2
 
     @classmethod
     def of(cls, spec: RunSpec, *, stages: int | None = None, subspace: bool | None = None) -> "Geometry":
@@ -74,7 +75,7 @@ class Geometry:
         d = spec.model.d_model
         return cls(stages=n, ranges=tuple(ranges), d=d, k=max(1, d // spec.compression.subspace_rate),
                    vocab_size=spec.model.vocab_size, seed=spec.train.seed,
-                   subspace=p.subspace if subspace is None else subspace)
+                   subspace=p.subspace if subspace is None else subspace, free_tail=p.free_tail_layers)
 
     @property
     def U(self) -> torch.Tensor:  # (d, k)
@@ -90,9 +91,9 @@ class Geometry:
         return self.k if self.subspace else self.d
 
     def free_layers(self) -> set[int]:
-        """Blocks left unconstrained: the last stage's final two (at most the whole last stage)."""
+        """Blocks left unconstrained: the last stage's final ``free_tail`` (at most the whole last stage)."""
         last = self.ranges[-1]
-        return set(range(max(last.start, last.stop - 2), last.stop))
+        return set(range(max(last.start, last.stop - self.free_tail), last.stop))
 
 
 def build_full(spec: RunSpec) -> LlamaModel:

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.live import Live
@@ -81,10 +81,16 @@ def timeline_stats(finals: list[dict[str, Any]], stages: int) -> dict[str, Any]:
 
 def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool, keep: Path | None = None,
                        kill_at_step: int | None = None, join_auto_at_step: int | None = None,
-                       bootstrap_file: Path | None = None, peer_args: tuple[str, ...] = ()) -> dict[str, Any]:
+                       bootstrap_file: Path | None = None, peer_args: tuple[str, ...] = (),
+                       spawn: Callable[..., subprocess.Popen] | None = None,
+                       host_maddr: Callable[[int], str] | None = None) -> dict[str, Any]:
     """Run S x R peers to the end of ``spec.train.steps``; optionally kill one stage-1 replica at a step
     and start a ``--stage auto`` joiner at another (resilience). ``bootstrap_file`` receives the first
-    peer's multiaddr once it is up (for a test or a `status` call beside the run)."""
+    peer's multiaddr once it is up (for a test or a `status` call beside the run).
+
+    ``spawn(i, argv, **popen_kw)`` starts peer ``i`` (default: a local process in its own session; the
+    link bench starts each in its network namespace) and ``host_maddr(i)`` is its ``--host-maddrs``
+    (default: loopback, any port)."""
     console = Console(stderr=True)
     folder = Path(tempfile.mkdtemp(prefix="locomm-pipe-"))
     spec_path = folder / "run.toml"
@@ -100,13 +106,17 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
         cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(spec_path), "--stage", stage,
                "--log-file", str(folder / f"peer{i}.jsonl"), "--shard", f"{i % replicas}/{replicas}",
                "--wait-for-peers", str(n), "-q", *peer_args]
+        if host_maddr is not None:
+            cmd += ["--host-maddrs", host_maddr(i)]
         cmd += ["--announce-file", str(folder / f"peer{i}.addr")] + (["--initial-peers", initial] if initial else [])
         err = open(folder / f"peer{i}.err", "w")  # noqa: SIM115 - closed below
         errs.append(err)
         threads = str(max(1, (os.cpu_count() or 1) // n))
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+        kw = dict(stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, env=env)
+        if spawn is not None:
+            return spawn(i, cmd, **kw)
+        return subprocess.Popen(cmd, start_new_session=True, **kw)
 
     stop_requested = threading.Event()
     main = threading.current_thread() is threading.main_thread()  # a test may run the launcher in a thread
@@ -174,6 +184,8 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
         drivers = [f for f in finals if f["stage"] == 0]
         wire = sum(f["bytes_fwd"] + f["bytes_tokens"] + f["bytes_bwd"] for f in finals)
         crossed = sum(f["tokens_forwarded"] for f in finals)
+        stats = timeline_stats(finals, stages)
+        trained = sum(f["steps"] for f in drivers) * spec.data.batch_size * spec.data.seq_len
         summary = {
             "stages": stages, "replicas": replicas, "peers": len(procs),
             "initial_loss": _mean([f["initial_loss"] for f in drivers]),
@@ -190,7 +202,9 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
             "joiner_microbatches": (rows[-1]["finished"] or {}).get("microbatches") if len(rows) > n else None,
             "faults": sum(f["faults"] for f in finals),
             "wall_s": time.perf_counter() - t0,
-            **timeline_stats(finals, stages),
+            "tokens_trained": trained,
+            "tokens_per_s": trained / stats["train_span_s"] if stats.get("train_span_s") else None,
+            **stats,
         }
         if keep is not None:
             shutil.copytree(folder, keep, dirs_exist_ok=True)

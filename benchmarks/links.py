@@ -80,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pipeline", metavar="SxR",
                     help="Pipeline mode: S stages x R replicas of `join --stage K` (one host each) train the "
                          "config's train.steps through the stages (--peers and --rounds are not used)")
+    ap.add_argument("--steps", type=int, help="With --pipeline: train.steps of every stage-0 replica")
     ap.add_argument("--no-subspace", action="store_true",
                     help="With --pipeline: send h in the activation codec's casts, without the subspace")
     args = ap.parse_args(argv)
@@ -356,11 +357,20 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
     state["t_end"] = time.perf_counter()
 
 
+def boundary_stack(spec: RunSpec) -> str:
+    """The codec stack a boundary really uses (without the subspace, its stage is dropped)."""
+    from locomm.pipeline.wire import _stack  # noqa: PLC0415
+
+    return _stack(spec.compression.activation, spec.pipeline.subspace)
+
+
 def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
     """S x R stage peers, one shaped host each; the pipeline swarm's summary plus the links."""
     from locomm.pipeline.swarm import run_pipeline_swarm  # noqa: PLC0415
 
     spec = spec.replace("pipeline", stages=args.stages, subspace=not args.no_subspace)
+    if args.steps:
+        spec = spec.replace("train", steps=args.steps)
     n = args.stages * args.replicas
     rates = link_rates(n, args.rate, args.rate_spread, args.seed)
     result: dict[str, Any] = {
@@ -368,7 +378,7 @@ def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
         "replicas": args.replicas, "subspace": spec.pipeline.subspace, "k": spec.model.d_model //
         spec.compression.subspace_rate, "d_model": spec.model.d_model, "params": param_count(spec),
         "batch": [spec.data.batch_size, spec.data.seq_len], "micro_batch_size": spec.pipeline.micro_batch_size,
-        "in_flight": spec.pipeline.in_flight, "activation_codec": spec.compression.activation,
+        "in_flight": spec.pipeline.in_flight, "activation_codec": boundary_stack(spec),
         "train_steps": spec.train.steps, "rate": args.rate, "rate_spread": args.rate_spread, "rates_bps": rates,
         "cpus": os.cpu_count(), "started_at": time.time(), "error": None,
     }

@@ -95,6 +95,12 @@ class PipelineNode(Node):
         """(start, end, kind) of every compute task, for the bubble fraction."""
         self.boundary_bytes = {"fwd": 0, "bwd": 0, "tokens": 0}
         self.pending_sync: tuple[int, dict[str, torch.Tensor], asyncio.Task] | None = None
+        self.clock = 0
+        """The data clock of a stage after 0: the largest stage-0 step any micro-batch here came from. Replica
+        sync rounds follow it (round r ends when it reaches (r + 1) H), not this replica's own step count,
+        which drifts from its siblings' with the random routing; stage 0's clock is its own step."""
+        self._rounds_due = 0
+        """Rounds whose sync has been started (a round starts once)."""
         self._sync_lock = asyncio.Lock()
         self._step_cond: asyncio.Condition | None = None
         self._mb_seq = 0
@@ -141,9 +147,11 @@ class PipelineNode(Node):
         H = self.spec.outer.inner_steps
         w = getattr(self, "worker", None)
         step = w.step if w is not None else 0
+        clock = self.data_clock()
         now = time.time()
         recent = [t for t in self.mb_times if now - t < 30.0]
-        record = {"stage": self.stage, "round": step // H, "join_round": self.join_round, "step": step,
+        record = {"stage": self.stage, "round": clock // H, "clock": clock, "join_round": self.join_round,
+                  "step": step,
                   "started": self.started, "finished": self.finished,
                   "loss": _finite(self.last_loss), "val_loss": _finite(self.val_loss),
                   "mb_per_s": len(recent) / 30.0 if recent else 0.0, "microbatches": self.microbatches,
@@ -153,6 +161,18 @@ class PipelineNode(Node):
                   "version": __version__, "maddrs": [str(m) for m in self.maddrs],
                   "faults": self.faults.total if hasattr(self, "faults") else 0}
         await store_heartbeat(self.dht, self.run_id, self.me, record, self.spec.network.heartbeat_ttl_s)
+
+    def data_clock(self) -> int:
+        w = getattr(self, "worker", None)
+        return (w.step if w is not None else 0) if self.stage == 0 else self.clock
+
+    def _due_round(self) -> int | None:
+        """The replica sync round that has just ended by the data clock, once; None when none has."""
+        done = self.data_clock() // self.spec.outer.inner_steps
+        if done <= self._rounds_due:
+            return None
+        self._rounds_due = done
+        return done - 1
 
     # -- the stage service -----------------------------------------------------------------
 
@@ -179,6 +199,8 @@ class PipelineNode(Node):
         except CodecError as e:
             raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, str(e)) from None
         train = call.msg.type == "fwd"
+        if train:
+            self.clock = max(self.clock, int(call.msg.round))
         try:
             loss, g = await self.process(f.origin, f.mb, window, h, train=train)
         except Lost as e:
@@ -248,11 +270,12 @@ class PipelineNode(Node):
             self._step_cond.notify_all()
 
     async def _after_backward(self) -> None:
-        stepped = await self.compute(self.worker.maybe_step)
+        await self.compute(self.worker.maybe_step)
         await self._notify()
-        if stepped and self.worker.step % self.spec.outer.inner_steps == 0:
+        r = self._due_round()
+        if r is not None:
             # In the background: the upstream's answer must not wait for an outer round.
-            task = asyncio.create_task(self._on_step())
+            task = asyncio.create_task(self._on_step(r))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     # -- sending to the next stage ---------------------------------------------------------
@@ -264,7 +287,7 @@ class PipelineNode(Node):
         x = window[:, :-1]
         data = await self.rpc.decode(self.coder.encode_activation, h, x)
         tok = self.coder.encode_window(window)
-        header_args = dict(step=self.worker.step, stage=nxt, origin=origin, mb=mb, batch=int(x.shape[0]),
+        header_args = dict(step=self.data_clock(), stage=nxt, origin=origin, mb=mb, batch=int(x.shape[0]),
                            seq=int(x.shape[1]), codec=self.coder.act_stack, tokens_nbytes=len(tok),
                            act_nbytes=len(data))
         tried: list[str] = []
@@ -378,7 +401,9 @@ class PipelineNode(Node):
             self.events.write("step", step=self.worker.step, loss=_finite(self.last_loss), lost=self.lost,
                               rerouted=self.rerouted, wall_s=time.perf_counter() - t_start,
                               tokens_per_s=self.tokens_per_s)
-            await self._on_step()
+            r = self._due_round()
+            if r is not None:
+                await self._on_step(r)
         self.t_train = time.perf_counter() - t_start
 
     async def evaluate(self) -> float:
@@ -408,18 +433,15 @@ class PipelineNode(Node):
         return {**{f"model/{k}": v for k, v in self.params().items()},
                 **{f"outer/{k}": v for k, v in self.algo.state_dict().items()}}
 
-    async def _on_step(self) -> None:
-        H = self.spec.outer.inner_steps
-        if self.worker.step % H:
-            return
+    async def _on_step(self, r: int) -> None:
+        """Replica sync of round ``r`` (by the data clock): apply round r - 1's exchange, start round r's."""
         now = time.monotonic()
         self.round_s = now - self._last_round_t if self._last_round_t else 0.0
         self._last_round_t = now
         self.state_server.snapshot = await self.compute(
-            lambda: Snapshot.take(self.worker.step // H, self._state_tensors()))
+            lambda: Snapshot.take(r + 1, self._state_tensors()))
         await self._heartbeat()
         async with self._sync_lock:
-            r = self.worker.step // H - 1
             if self.pending_sync is not None:  # apply the previous round's exchange, one round late
                 await self._finish_sync()
             self.gossip.advance(r)
@@ -507,7 +529,9 @@ class PipelineNode(Node):
         await self.compute(self._load_state, tensors)
         step = max(int(b.fields.get("step", 0) or 0) for b in beats)
         self.worker.step = step
-        self.round = step // self.spec.outer.inner_steps
+        if self.stage > 0:  # the siblings' data clock: our rounds start at the round they are in
+            self.clock = max(int(b.fields.get("clock", b.fields.get("step", 0)) or 0) for b in beats)
+        self.round = self._rounds_due = self.data_clock() // self.spec.outer.inner_steps
         self.events.write("synced", donor_round=donor_round, tensors=len(tensors), step=step)
         log.info("stage %d: synced weights of step %d from %d donor(s)", self.stage, step, len(donors))
 

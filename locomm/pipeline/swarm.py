@@ -201,6 +201,10 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
             "joiner_synced": any(e["event"] == "synced" for e in rows[-1]["events"]) if len(rows) > n else None,
             "joiner_microbatches": (rows[-1]["finished"] or {}).get("microbatches") if len(rows) > n else None,
             "faults": sum(f["faults"] for f in finals),
+            "replica_syncs": {str(st): {k: sum(f.get(f"exchanges_{k}", 0) for f in finals if f["stage"] == st)
+                                        for k in ("ok", "failed")} for st in range(stages)},
+            "joiner_syncs": ({k: (rows[-1]["finished"] or {}).get(f"exchanges_{k}") for k in ("ok", "failed")}
+                             if len(rows) > n else None),
             "wall_s": time.perf_counter() - t0,
             "tokens_trained": trained,
             "tokens_per_s": trained / stats["train_span_s"] if stats.get("train_span_s") else None,

@@ -5,8 +5,8 @@ the stage server's compute and codecs, in one process):
 
 - ``tiny32``: the tiny preset (d=256, 8 layers), k = 8 (32x), S stages x 1 replica;
 - ``tiny32_plain``: the same pipeline without the subspace (h in bf16 + lossless);
-- ``tiny32_free``: tiny32 with the whole last stage unconstrained (``pipeline.free_tail_layers`` = all of
-  its blocks; only blocks before the last boundary must write into span(U)), against node0's 2;
+- ``tiny32_free``: tiny32 with the whole last stage unconstrained (``pipeline.free_tail_layers = -1``, the
+  default; only blocks before the last boundary must write into span(U)); tiny32 keeps node0's 2 free;
 - ``tiny_unsplit``: the ordinary single-process model (``locomm.train.train``);
 - ``wide100`` / ``wide100_plain`` / ``wide_unsplit``: d=512 (``--wide-layers``, default 4; 8 heads, d_ff 1408),
   k = 5 (~100x).
@@ -46,7 +46,7 @@ def spec_for(name: str, steps: int, stages: int, wide_layers: int = 4) -> RunSpe
         rate = 32
     spec = spec.replace("train", steps=steps, eval_batches=16)
     spec = spec.replace("compression", activation=CODEC, act_gradient=CODEC, subspace_rate=rate)
-    free = spec.model.n_layers if name.endswith("_free") else 2
+    free = -1 if name.endswith("_free") else 2  # tiny32 is node0's rule (2 free), tiny32_free the default
     return spec.replace("pipeline", stages=stages, micro_batch_size=4, in_flight=2,
                         subspace=not name.endswith("_plain"), free_tail_layers=free)
 

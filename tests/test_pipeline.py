@@ -41,6 +41,14 @@ def test_pipeline_config_is_validated():
         RunSpec.preset("nano").replace("pipeline", stages=2, micro_batch_size=3)
     spec = RunSpec.from_toml(nano_spec().to_toml())
     assert spec.pipeline.stages == 2 and spec.hash() == nano_spec().hash()
+    with pytest.raises(ConfigError, match="free_tail_layers"):
+        RunSpec.preset("nano").replace("pipeline", stages=2, free_tail_layers=-2)
+    # Unconstrained blocks: by default the whole last stage (only blocks before the last boundary must write
+    # into span(U)); free_tail_layers = 2 is node0's rule.
+    tiny = RunSpec.preset("tiny").replace("pipeline", stages=2)
+    assert Geometry.of(tiny).free_layers() == {4, 5, 6, 7}
+    assert Geometry.of(tiny.replace("pipeline", free_tail_layers=2)).free_layers() == {6, 7}
+    assert Geometry.of(tiny.replace("pipeline", stages=4, free_tail_layers=9)).free_layers() == {6, 7}
 
 
 @pytest.mark.parametrize("stages", [2, 4])

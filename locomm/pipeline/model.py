@@ -65,7 +65,8 @@ class Geometry:
     vocab_size: int
     seed: int
     subspace: bool
-    free_tail: int = 2
+    free_tail: int = -1
+    """Blocks at the end of the last stage left unconstrained; -1: all of them."""
 
     @classmethod
     def of(cls, spec: RunSpec, *, stages: int | None = None, subspace: bool | None = None) -> "Geometry":
@@ -91,8 +92,10 @@ class Geometry:
         return self.k if self.subspace else self.d
 
     def free_layers(self) -> set[int]:
-        """Blocks left unconstrained: the last stage's final ``free_tail`` (at most the whole last stage)."""
+        """Blocks left unconstrained: the last stage's final ``free_tail`` (-1 or more than it has: all)."""
         last = self.ranges[-1]
+        if self.free_tail < 0:
+            return set(last)
         return set(range(max(last.start, last.stop - self.free_tail), last.stop))
 
 

@@ -10,9 +10,11 @@ benchmarks/tune.py where its sweep is on disk, else its documented default (the 
 Network: per-worker links 80 Mbit/s x 10^(-u), u ~ U(0, 1) (heterogeneity 1.0, up = down), compute
 speeds spread the same way, 30 ms latency, compute at 10 TFLOP/s for a speed-1 worker. Traffic and
 compute are those of a 125M-parameter model (bytes and FLOPs x 125M / nano, done as link, floor rate
-and compute speed / k; the fixed timeouts in seconds stay as they are). DiLoCo runs with the daemon's
-all-reduce deadline, sized by bytes (network.request_timeout_s + 2 S / floor rate, as peer/node.py
-sets it); ``--runs diloco_sized_timeout`` adds the old comparison with a fixed 3600 s timeout.
+and compute speed / k; the fixed timeouts in seconds stay as they are). The reference is DiLoCo
+with a 3600 s all-reduce timeout (``diloco_sized_timeout``: every butterfly completes, so DiLoCo is
+not handicapped by a deadline); ``--runs diloco`` runs it with the daemon's own deadline, sized by bytes
+(network.request_timeout_s + 2 S / floor rate, as peer/node.py sets it), which a butterfly paced by
+a member under the floor rate misses.
 
 ``replay``: 256 and 1024 workers, timeline only. Assumptions (stated in the README): the loss after
 round r is the one measured at 64 workers after round r (the curves of ``run``), for every N; NoLoCo
@@ -219,8 +221,8 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--workers", type=int, nargs="+", default=[16, 32, 64])
-    r.add_argument("--runs", nargs="+", default=["noloco", "diloco"], choices=list(RUNS),
-                   help="diloco_sized_timeout (a 3600 s all-reduce timeout) is the old comparison; not run by default")
+    r.add_argument("--runs", nargs="+", default=["noloco", "diloco_sized_timeout"], choices=list(RUNS),
+                   help="diloco: DiLoCo under the daemon's byte-sized all-reduce deadline (not run by default)")
     r.add_argument("--rounds", type=int, default=tune.ROUNDS)
     r.add_argument("--threads", type=int, default=1)
     p = sub.add_parser("replay")

@@ -262,7 +262,8 @@ def aggregation_path(workers: int, algo: str, kw: dict[str, Any]) -> Path:
 
 def cmd_aggregation(a: argparse.Namespace) -> None:
     """SparseLoCo under both aggregation rules at 8 and 16 workers (its default point, the tuning seed),
-    beside DiLoCo's documented default on the same runs."""
+    beside DiLoCo's documented default on the same runs; then, once both sweeps are complete, the tuned
+    best of DiLoCo and of SparseLoCo (paper's rule) at each worker count."""
     import torch
 
     from locomm.data import load_corpus
@@ -276,6 +277,12 @@ def cmd_aggregation(a: argparse.Namespace) -> None:
         runs.append((workers, "diloco", grid("diloco")[0]))
         # The paper's rule at a step near the sender rule's at R = 8 (norms: 5-8x the all-mean's).
         runs.append((workers, "sparseloco", dict(grid("sparseloco")[0], sparse_lr=9.0, sparseloco_aggregation="all")))
+        # Best against best: each algorithm's tuned point (complete 8-worker sweep) at this worker count.
+        for algo in ("diloco", "sparseloco"):
+            b = best(algo)
+            if b is not None and len(sweep_results(algo)) == 12:
+                kw = dict(b["params"], **({"sparseloco_aggregation": "all"} if algo == "sparseloco" else {}))
+                runs.append((workers, algo, kw))
     for workers, algo, kw in runs:
         path = aggregation_path(workers, algo, kw)
         if not path.exists():

@@ -5,9 +5,9 @@ The swarm: the bootstrap and 2 ``peer`` replicas at LINK_RATE=80mbit with compos
 checkpointing every round (CHECKPOINT_EVERY=1, so the kill need not wait 5 rounds for one). The
 test waits until ``locomm-peer status``, run inside the ``status`` container, shows 3 peers past round 3
 whose training loss fell; SIGKILLs one peer and checks that the other two go on (a round past the kill);
-starts it again and
-checks that it resumes from its checkpoint in its volume (same data folder, same peer id, a later
-round); then runs ``down -v`` and checks that no container, network or volume of the project is left.
+starts it again and checks that it resumes from its checkpoint in its volume (same data folder, same peer
+id, a later round); then runs ``down -v`` and checks that no container, network or volume of the project
+is left.
 
 The image is built first by docker/build.sh (offline: debootstrap base and wheelhouse when needed). In
 CI, .ci/run has built it already, so the build here is Docker's cache. Skipped only when no Docker

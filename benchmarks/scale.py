@@ -191,8 +191,8 @@ def ttt(steps: list[int], val: list[float], round_done: list[float], target: flo
 
 def cmd_table(a: argparse.Namespace) -> None:
     print("| workers | run | setting | val loss | vs DiLoCo | t->target (s) | speed-up vs DiLoCo | wall (s) | "
-          "compute util. mean / min | partners skipped |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "DiLoCo's time to this loss (s) | loss-matched speed-up | compute util. mean / min | partners skipped |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for workers in (16, 32, 64, 256, 1024):
         rows = {n: tune.load(OUT / f"w{workers}_{n}.json") for n in RUNS}
         for n in ("noloco", "diloco_sized_timeout"):
@@ -210,8 +210,12 @@ def cmd_table(a: argparse.Namespace) -> None:
             t = ttt(r["steps"], r["val_loss"], r["round_done"], target)
             rel = 100 * (r["final_val_loss"] / ref["final_val_loss"] - 1)
             sp = f"{t_ref / t:.2f}x" if math.isfinite(t) and t > 0 and math.isfinite(t_ref) else "-"
+            # The other way round: how long DiLoCo took to reach this run's final loss, against this run's wall.
+            t_match = ttt(ref["steps"], ref["val_loss"], ref["round_done"], r["final_val_loss"])
+            mt = f"{t_match:.0f}" if math.isfinite(t_match) else "-"
+            ms = f"{t_match / r['wall_s']:.2f}x" if math.isfinite(t_match) and r["wall_s"] > 0 else "-"
             print(f"| {workers} | {n} | {r.get('setting', '')} | {r['final_val_loss']:.4f} | {rel:+.1f}% | "
-                  f"{'-' if math.isinf(t) else f'{t:.0f}'} | {sp} | {r['wall_s']:.0f} | "
+                  f"{'-' if math.isinf(t) else f'{t:.0f}'} | {sp} | {r['wall_s']:.0f} | {mt} | {ms} | "
                   f"{100 * r['compute_utilisation_mean']:.0f}% / {100 * r['compute_utilisation_min']:.0f}% | "
                   f"{r.get('partners_skipped', '-')} |")
 

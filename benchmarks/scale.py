@@ -113,7 +113,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     splits = load_corpus(tune.base_spec(SEED).data)
     for workers in a.workers:
         for name in a.runs:
-            path = OUT / f"w{workers}_{name}.json"
+            path = OUT / f"w{workers}_{name}{'' if a.rounds == tune.ROUNDS else f'_r{a.rounds}'}.json"
             if path.exists():
                 continue
             r = run_one(name, workers, splits, a.rounds)

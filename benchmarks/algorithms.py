@@ -52,25 +52,48 @@ def run_one(spec: RunSpec, algo: str, workers: int, rounds: int, splits, overlap
     res = sim.run(rounds)
     params = sim.trainers[0].model.num_parameters()
     step_s = flops_step_s(params, sim.trainers[0].tokens_per_step, TFLOPS)
-    out = {"algo": algo, "workers": workers, "final_val_loss": res.final_val_loss,
-           "final_val_spread": res.val_spread[-1], "val_loss": res.val_loss, "steps": res.steps,
-           "bytes_sent_per_worker": sum(res.bytes_sent) / workers, "max_weight_distance": sim.weight_distance(),
-           "real_s": time.perf_counter() - t0, "timelines": {}}
+    out = {
+        "algo": algo,
+        "workers": workers,
+        "final_val_loss": res.final_val_loss,
+        "final_val_spread": res.val_spread[-1],
+        "val_loss": res.val_loss,
+        "steps": res.steps,
+        "bytes_sent_per_worker": sum(res.bytes_sent) / workers,
+        "max_weight_distance": sim.weight_distance(),
+        "real_s": time.perf_counter() - t0,
+        "timelines": {},
+    }
     scale = SCALED_PARAMS / params
     for name, net in NETWORKS.items():
         for label, k in (("nano", 1.0), ("125M", scale)):
             # Scaling bytes by k is dividing link speed by k; the deadlines' rates scale with it, so the same
             # deadlines fire as they would for a k-times larger model on the real links.
             dl = res.deadlines
-            dl = type(dl)(stall_timeout_s=dl.stall_timeout_s, min_rate_Bps=dl.min_rate_Bps / k,
-                          rate_window_s=dl.rate_window_s, max_wait_s=dl.max_wait_s,
-                          request_timeout_s=dl.request_timeout_s)
-            run = network_for(res, link_bps=net["link_bps"] / k, latency_s=net["latency_s"],
-                              heterogeneity=net["heterogeneity"], step_s=step_s * k, seed=0, deadlines=dl)
+            dl = type(dl)(
+                stall_timeout_s=dl.stall_timeout_s,
+                min_rate_Bps=dl.min_rate_Bps / k,
+                rate_window_s=dl.rate_window_s,
+                max_wait_s=dl.max_wait_s,
+                request_timeout_s=dl.request_timeout_s,
+            )
+            run = network_for(
+                res,
+                link_bps=net["link_bps"] / k,
+                latency_s=net["latency_s"],
+                heterogeneity=net["heterogeneity"],
+                step_s=step_s * k,
+                seed=0,
+                deadlines=dl,
+            )
             out["timelines"][f"{name}/{label}"] = {
-                "wall_s": run.wall_s, "compute_utilisation_mean": run.utilisation_mean,
-                "compute_utilisation_min": run.utilisation_min, "deadline_mismatches": run.mismatches,
-                "curve_s": res.curve_times(run.round_done), "_done": run.round_done}
+                "wall_s": run.wall_s,
+                "compute_utilisation_mean": run.utilisation_mean,
+                "compute_utilisation_min": run.utilisation_min,
+                "deadline_mismatches": run.mismatches,
+                "curve_s": res.curve_times(run.round_done),
+                "_done": run.round_done,
+            }
     out["_res"] = res
     return out
 
@@ -86,16 +109,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--inner-steps", type=int, default=20)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "algorithms.json")
-    ap.add_argument("--no-overlap", action="store_true", help="Block on each exchange (default: the daemon's "
-                    "schedule, each exchange applied one round late)")
+    ap.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="Block on each exchange (default: the daemon's schedule, each exchange applied one round late)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(2)
-    spec = RunSpec.preset("nano").replace("data", batch_size=8, seq_len=128).replace(
-        "outer", inner_steps=a.inner_steps).replace("train", eval_batches=8)
+    spec = (
+        RunSpec.preset("nano")
+        .replace("data", batch_size=8, seq_len=128)
+        .replace("outer", inner_steps=a.inner_steps)
+        .replace("train", eval_batches=8)
+    )
     splits = load_corpus(spec.data)
     tokens = a.rounds * a.inner_steps * spec.data.batch_size * spec.data.seq_len
-    print(f"nano ({spec.model.d_model}d x {spec.model.n_layers}L), H={a.inner_steps}, {a.rounds} rounds, "
-          f"{tokens:,} tokens per worker; timelines at {TFLOPS} TFLOP/s per worker")
+    print(
+        f"nano ({spec.model.d_model}d x {spec.model.n_layers}L), H={a.inner_steps}, {a.rounds} rounds, "
+        f"{tokens:,} tokens per worker; timelines at {TFLOPS} TFLOP/s per worker"
+    )
     results = []
     for w in a.workers:
         for algo in a.algos:
@@ -103,9 +135,11 @@ def main() -> None:
             print(f"  ran {algo:10s} x{w:<3d} val {r['final_val_loss']:.4f}  ({r['real_s']:.0f} s)", flush=True)
             results.append(r)
     keys = ("80mbit_het/nano", "80mbit_het/125M", "10gbit/125M")
-    lines = ["| workers | algo | val loss | ppl/byte | vs DiLoCo | MB sent/worker | t->target 80M het (nano) | "
-             "t->target 80M het (125M) | t->target 10G (125M) | compute util. 80M het (125M), mean / min |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workers | algo | val loss | ppl/byte | vs DiLoCo | MB sent/worker | t->target 80M het (nano) | "
+        "t->target 80M het (125M) | t->target 10G (125M) | compute util. 80M het (125M), mean / min |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     summary = []
     for w in a.workers:
         rows = [r for r in results if r["workers"] == w]
@@ -114,21 +148,28 @@ def main() -> None:
         for r in rows:
             tt = {k: time_to_target(r["_res"], r["timelines"][k]["_done"], target) for k in keys}
             rel = 100 * (r["final_val_loss"] / ref["final_val_loss"] - 1)
-            lines.append(f"| {w} | {r['algo']} | {r['final_val_loss']:.4f} | {math.exp(r['final_val_loss']):.3f} | "
-                         f"{rel:+.1f}% | {r['bytes_sent_per_worker'] / 1e6:.2f} | "
-                         + " | ".join(fmt_time(tt[k]) for k in keys)
-                         + f" | {100 * r['timelines']['80mbit_het/125M']['compute_utilisation_mean']:.0f}% / "
-                         f"{100 * r['timelines']['80mbit_het/125M']['compute_utilisation_min']:.0f}% |")
+            lines.append(
+                f"| {w} | {r['algo']} | {r['final_val_loss']:.4f} | {math.exp(r['final_val_loss']):.3f} | "
+                f"{rel:+.1f}% | {r['bytes_sent_per_worker'] / 1e6:.2f} | "
+                + " | ".join(fmt_time(tt[k]) for k in keys)
+                + f" | {100 * r['timelines']['80mbit_het/125M']['compute_utilisation_mean']:.0f}% / "
+                f"{100 * r['timelines']['80mbit_het/125M']['compute_utilisation_min']:.0f}% |"
+            )
             bad = [k for k in keys if r["timelines"][k]["deadline_mismatches"]]
             if bad:
                 lines[-1] += f" (deadlines fire on {', '.join(bad)}: that replay's numerics differ)"
             for tl in r["timelines"].values():
                 tl.pop("_done")
-            summary.append({k: v for k, v in r.items() if k != "_res"} | {
-                "target": target, "time_to_target_s": {k: (None if math.isinf(v) else v) for k, v in tt.items()}})
+            summary.append(
+                {k: v for k, v in r.items() if k != "_res"}
+                | {"target": target, "time_to_target_s": {k: (None if math.isinf(v) else v) for k, v in tt.items()}}
+            )
     print()
     print("\n".join(lines))
-    print(f"\ntarget = DiLoCo's final val loss + 2%; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+    print(
+        f"\ntarget = DiLoCo's final val loss + 2%; "
+        f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
+    )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(summary, indent=1))
     print(f"wrote {a.out}")

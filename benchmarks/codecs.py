@@ -1,8 +1,8 @@
 """Benchmark every codec against zstd-3 and lz4; see locomm/compression/bench.py.
 
-    python benchmarks/codecs.py            # rich table, 64 MB tensors + the tiny model's tensors
-    python benchmarks/codecs.py --quick    # 4 MB tensors + the nano model
-    python benchmarks/codecs.py --json > codecs.jsonl
+python benchmarks/codecs.py            # rich table, 64 MB tensors + the tiny model's tensors
+python benchmarks/codecs.py --quick    # 4 MB tensors + the nano model
+python benchmarks/codecs.py --json > codecs.jsonl
 """
 
 from __future__ import annotations

@@ -73,21 +73,54 @@ def one(image: str, net: str, tag: str, send_rate: str, recv_rate: str, nbytes: 
     recv, send = f"{tag}-recv", f"{tag}-send"
     common = ["--network", net, "--cap-add", "NET_ADMIN", "-e", "OMP_NUM_THREADS=1"]
     try:
-        docker("run", "-d", "--name", recv, *common, "-e", f"LINK_RATE={recv_rate}", image,
-               "exec", "python3", "-c", RECEIVER)
-        docker("run", "--name", send, *common, "-e", f"LINK_RATE={send_rate}", image,
-               "exec", "python3", "-c", SENDER, recv, str(nbytes), timeout=900)
+        docker(
+            "run",
+            "-d",
+            "--name",
+            recv,
+            *common,
+            "-e",
+            f"LINK_RATE={recv_rate}",
+            image,
+            "exec",
+            "python3",
+            "-c",
+            RECEIVER,
+        )
+        docker(
+            "run",
+            "--name",
+            send,
+            *common,
+            "-e",
+            f"LINK_RATE={send_rate}",
+            image,
+            "exec",
+            "python3",
+            "-c",
+            SENDER,
+            recv,
+            str(nbytes),
+            timeout=900,
+        )
         docker("wait", recv, timeout=120)
         out = docker("logs", recv).strip().splitlines()
-        shaping = [line for name in (send, recv) for line in docker("logs", name).strip().splitlines()
-                   if "link shaped" in line]
+        shaping = [
+            line for name in (send, recv) for line in docker("logs", name).strip().splitlines() if "link shaped" in line
+        ]
         got = json.loads(out[-1])
     finally:
         for name in (send, recv):
             docker("rm", "-f", name, check=False)
     mbit = got["bytes"] * 8 / got["seconds"] / 1e6
-    return {"sender": send_rate or "unshaped", "receiver": recv_rate or "unshaped", "mb": got["bytes"] / 1e6,
-            "seconds": got["seconds"], "mbit_s": mbit, "shaping": shaping}
+    return {
+        "sender": send_rate or "unshaped",
+        "receiver": recv_rate or "unshaped",
+        "mb": got["bytes"] / 1e6,
+        "seconds": got["seconds"],
+        "mbit_s": mbit,
+        "shaping": shaping,
+    }
 
 
 def main() -> None:
@@ -95,8 +128,12 @@ def main() -> None:
     ap.add_argument("--image", default=os.environ.get("LOCOMM_IMAGE", "locomm:latest"))
     ap.add_argument("--rate", default="80mbit")
     ap.add_argument("--mb", type=float, default=64.0, help="megabytes (10^6) per transfer")
-    ap.add_argument("--cases", nargs="+", default=["upload", "download", "both", "unshaped"],
-                    choices=["upload", "download", "both", "unshaped"])
+    ap.add_argument(
+        "--cases",
+        nargs="+",
+        default=["upload", "download", "both", "unshaped"],
+        choices=["upload", "download", "both", "unshaped"],
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.mb <= 0:
@@ -104,8 +141,12 @@ def main() -> None:
     docker("image", "inspect", args.image)
     tag = f"locomm-linkbench-{os.getpid()}"
     docker("network", "create", tag)
-    rates = {"upload": (args.rate, ""), "download": ("", args.rate), "both": (args.rate, args.rate),
-             "unshaped": ("", "")}
+    rates = {
+        "upload": (args.rate, ""),
+        "download": ("", args.rate),
+        "both": (args.rate, args.rate),
+        "unshaped": ("", ""),
+    }
     rows = []
     try:
         for case in args.cases:
@@ -113,8 +154,11 @@ def main() -> None:
             row = {"case": case, **one(args.image, tag, f"{tag}-{case}", *rates[case], int(args.mb * 1e6))}
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
-            print(f"{case:9s} sender {row['sender']:9s} receiver {row['receiver']:9s} "
-                  f"{row['mb']:6.1f} MB in {row['seconds']:6.2f} s = {row['mbit_s']:8.1f} Mbit/s", flush=True)
+            print(
+                f"{case:9s} sender {row['sender']:9s} receiver {row['receiver']:9s} "
+                f"{row['mb']:6.1f} MB in {row['seconds']:6.2f} s = {row['mbit_s']:8.1f} Mbit/s",
+                flush=True,
+            )
     finally:
         docker("network", "rm", tag, check=False)
     result = {"image": args.image, "rate": args.rate, "rows": rows}

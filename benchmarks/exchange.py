@@ -86,6 +86,7 @@ def theta(seed: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ loopback accounting
 
+
 def _lo_up() -> None:
     """Bring ``lo`` up in a fresh network namespace (ioctl SIOCGIFFLAGS / SIOCSIFFLAGS, no `ip` needed)."""
     import fcntl
@@ -121,6 +122,7 @@ def netns_prefix() -> list[str]:
 
 # ------------------------------------------------------------------------------ locomm gossip (child)
 
+
 def run_loop(coro: Any, loop: str) -> Any:
     """The node's event loop: uvloop when installed (locomm/peer/daemon.py), else asyncio."""
     if loop == "uvloop":
@@ -135,7 +137,7 @@ def run_loop(coro: Any, loop: str) -> Any:
     return asyncio.run(coro)
 
 
-_OPENED: dict[int, "GossipPeer"] = {}
+_OPENED: dict[int, GossipPeer] = {}
 
 
 def _count_streams(gossip_mod: Any) -> None:
@@ -180,9 +182,18 @@ class GossipPeer:
         codec = PayloadCodec(shapes, {"theta": "parameter"}, {"parameter": self.codec_name})
         limits = Limits()
         server = RpcServer(self.p2p, RUN_ID, limits, self.pool, authorize=None)  # everyone allowed
-        self.gossip = Gossip(self.p2p, server, run_id=RUN_ID, me=self.me, codec=codec, limits=limits,
-                             faults=Faults(100), max_body_bytes=1 << 30, streams=self.streams,
-                             parallel_threshold=16 << 20)
+        self.gossip = Gossip(
+            self.p2p,
+            server,
+            run_id=RUN_ID,
+            me=self.me,
+            codec=codec,
+            limits=limits,
+            faults=Faults(100),
+            max_body_bytes=1 << 30,
+            streams=self.streams,
+            parallel_threshold=16 << 20,
+        )
         await server.add(self.gossip.service())
         if hasattr(codec, "warm_up"):
             codec.warm_up()  # numba compiles on first use (the warm-up round would pay it otherwise)
@@ -199,8 +210,12 @@ class GossipPeer:
         s0, o0 = self.gossip.stats.bytes_sent, self.opened
         got = await self.gossip.exchange(r, [other], self.payload)
         t_end = time.perf_counter()
-        return {"t_end": t_end, "got": got.get(other), "sent": self.gossip.stats.bytes_sent - s0,
-                "streams": self.opened - o0}
+        return {
+            "t_end": t_end,
+            "got": got.get(other),
+            "sent": self.gossip.stats.bytes_sent - s0,
+            "streams": self.opened - o0,
+        }
 
     async def close(self) -> None:
         if self.p2p is not None:
@@ -234,7 +249,7 @@ class RawPeer(GossipPeer):
                 chunk = await reader.read(min(1 << 20, n - got))
                 if not chunk:
                     raise ConnectionError("raw stream ended early")
-                view[off + got:off + got + len(chunk)] = chunk
+                view[off + got : off + got + len(chunk)] = chunk
                 got += len(chunk)
             writer.write(b"ok")
             await writer.drain()
@@ -263,7 +278,7 @@ class RawPeer(GossipPeer):
             self.opened += 1
             writer.write(f"{r} {off} {n}\n".encode())
             for o in range(off, off + n, 1 << 20):
-                writer.write(self.blob[o:min(off + n, o + (1 << 20))])
+                writer.write(self.blob[o : min(off + n, o + (1 << 20))])
                 await writer.drain()
             await reader.readexactly(2)
             writer.close()
@@ -278,7 +293,7 @@ class RawPeer(GossipPeer):
         flat = torch.frombuffer(self.inbox.pop(r), dtype=torch.float32)
         got, k = {}, 0
         for name in sorted(self.payload, key=lambda n: int(n.rsplit("t", 1)[1])):
-            got[name] = flat[k:k + TENSOR_NUMEL]
+            got[name] = flat[k : k + TENSOR_NUMEL]
             k += TENSOR_NUMEL
         return {"t_end": t_end, "got": got, "sent": PAYLOAD_BYTES, "streams": self.opened - o0}
 
@@ -338,8 +353,10 @@ def bench_gossip(codec_name: str, streams: int, warmup: int, reps: int, layout: 
 
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(2)]
-        procs = [ctx.Process(target=gossip_peer_process, args=(child, i, codec_name, streams, loop), daemon=True)
-                 for i, (_, child) in enumerate(pipes)]
+        procs = [
+            ctx.Process(target=gossip_peer_process, args=(child, i, codec_name, streams, loop), daemon=True)
+            for i, (_, child) in enumerate(pipes)
+        ]
         conns = [mine for mine, _ in pipes]
         try:
             for p in procs:
@@ -377,8 +394,9 @@ def bench_gossip(codec_name: str, streams: int, warmup: int, reps: int, layout: 
                 for r in range(warmup + reps):
                     w0 = lo_tx_bytes()
                     t_start = time.perf_counter()
-                    results = await asyncio.wait_for(asyncio.gather(peers[0].exchange(r, ids[1]),
-                                                                    peers[1].exchange(r, ids[0])), 300)
+                    results = await asyncio.wait_for(
+                        asyncio.gather(peers[0].exchange(r, ids[1]), peers[1].exchange(r, ids[0])), 300
+                    )
                     w1 = lo_tx_bytes()
                     for x, w in zip(results, want):
                         x["ok"] = _same(x.pop("got"), w)
@@ -389,19 +407,38 @@ def bench_gossip(codec_name: str, streams: int, warmup: int, reps: int, layout: 
 
         run_loop(main(), loop)
     if codec_name == RAW:
-        return {"method": f"ceiling: raw p2pd binary streams (streams={streams})", "kind": "ceiling",
-                "codec": "none, no framing", "layout": layout, "loop": loop, "streams_configured": streams,
-                "streams_used": max(used), "median_s": statistics.median(times), "all_s": times,
-                "bytes_sent_per_round": statistics.mean(sent),
-                "wire_bytes_per_round": statistics.mean(wire) if wire else None}
-    return {"method": f"locomm Gossip.exchange ({codec_name}, streams={streams})", "kind": "locomm",
-            "codec": codec_name, "layout": layout, "loop": loop, "streams_configured": streams,
-            "streams_used": max(used), "streams_used_per_round": used, "parallel_threshold_bytes": 16 << 20,
-            "median_s": statistics.median(times), "all_s": times, "bytes_sent_per_round": statistics.mean(sent),
-            "wire_bytes_per_round": statistics.mean(wire) if wire else None}
+        return {
+            "method": f"ceiling: raw p2pd binary streams (streams={streams})",
+            "kind": "ceiling",
+            "codec": "none, no framing",
+            "layout": layout,
+            "loop": loop,
+            "streams_configured": streams,
+            "streams_used": max(used),
+            "median_s": statistics.median(times),
+            "all_s": times,
+            "bytes_sent_per_round": statistics.mean(sent),
+            "wire_bytes_per_round": statistics.mean(wire) if wire else None,
+        }
+    return {
+        "method": f"locomm Gossip.exchange ({codec_name}, streams={streams})",
+        "kind": "locomm",
+        "codec": codec_name,
+        "layout": layout,
+        "loop": loop,
+        "streams_configured": streams,
+        "streams_used": max(used),
+        "streams_used_per_round": used,
+        "parallel_threshold_bytes": 16 << 20,
+        "median_s": statistics.median(times),
+        "all_s": times,
+        "bytes_sent_per_round": statistics.mean(sent),
+        "wire_bytes_per_round": statistics.mean(wire) if wire else None,
+    }
 
 
 # ------------------------------------------------------------------- hivemind DecentralizedAverager (child)
+
 
 def bench_averager(warmup: int, reps: int) -> dict[str, Any]:
     import hivemind
@@ -416,12 +453,24 @@ def bench_averager(warmup: int, reps: int) -> dict[str, Any]:
     try:
         d1 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         dhts.append(d1)
-        dhts.append(hivemind.DHT(start=True, initial_peers=[str(m) for m in d1.get_visible_maddrs()],
-                                 host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        dhts.append(
+            hivemind.DHT(
+                start=True,
+                initial_peers=[str(m) for m in d1.get_visible_maddrs()],
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            )
+        )
         for i, d in enumerate(dhts):
-            avgs.append(hivemind.averaging.DecentralizedAverager([t.clone() for t in data[i]], dht=d,
-                                                                 prefix="bench", target_group_size=2,
-                                                                 min_group_size=2, start=True))
+            avgs.append(
+                hivemind.averaging.DecentralizedAverager(
+                    [t.clone() for t in data[i]],
+                    dht=d,
+                    prefix="bench",
+                    target_group_size=2,
+                    min_group_size=2,
+                    start=True,
+                )
+            )
         for r in range(warmup + reps):
             for av, tensors in zip(avgs, data):  # every round averages the same two payloads
                 with av.get_tensors() as local:
@@ -432,8 +481,9 @@ def bench_averager(warmup: int, reps: int) -> dict[str, Any]:
             controls = [av.step(timeout=120, wait=False) for av in avgs]
             t_ar = None
             while not all(c.done() for c in controls):
-                if t_ar is None and any(c.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED)
-                                        for c in controls):
+                if t_ar is None and any(
+                    c.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED) for c in controls
+                ):
                     t_ar = time.perf_counter()
                 time.sleep(0.001)
             dt = time.perf_counter() - t0
@@ -458,12 +508,19 @@ def bench_averager(warmup: int, reps: int) -> dict[str, Any]:
                 d.shutdown()
     # Butterfly all-reduce of 2 equal peers: each sends the half the other reduces, then returns its own half
     # averaged: the whole payload's bytes per peer per step (fp32, hivemind's default NoCompression).
-    return {"method": "hivemind DecentralizedAverager.step", "kind": "averager", "codec": "none (NoCompression)",
-            "median_s": statistics.median(times), "all_s": times,
-            "allreduce_median_s": statistics.median(allreduce), "allreduce_all_s": allreduce,
-            "matchmaking_median_s": statistics.median(t - a for t, a in zip(times, allreduce)),
-            "bytes_sent_per_round": PAYLOAD_BYTES, "bytes_sent_source": "arithmetic (butterfly all-reduce, 2 peers)",
-            "wire_bytes_per_round": statistics.mean(wire) if wire else None}
+    return {
+        "method": "hivemind DecentralizedAverager.step",
+        "kind": "averager",
+        "codec": "none (NoCompression)",
+        "median_s": statistics.median(times),
+        "all_s": times,
+        "allreduce_median_s": statistics.median(allreduce),
+        "allreduce_all_s": allreduce,
+        "matchmaking_median_s": statistics.median(t - a for t, a in zip(times, allreduce)),
+        "bytes_sent_per_round": PAYLOAD_BYTES,
+        "bytes_sent_source": "arithmetic (butterfly all-reduce, 2 peers)",
+        "wire_bytes_per_round": statistics.mean(wire) if wire else None,
+    }
 
 
 def child_main(spec: dict[str, Any]) -> None:
@@ -478,13 +535,19 @@ def child_main(spec: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------ orchestration
 
+
 def run_child(spec: dict[str, Any], netns: list[str], timeout: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
     """One row in a child process of its own session; its whole process group is killed afterwards."""
     env = {**os.environ, NETNS_ENV: "1" if netns else "0", "PYTHONPATH": str(HERE.parent)}
     load0 = os.getloadavg()[0]
-    proc = subprocess.Popen([*netns, sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [*netns, sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -513,24 +576,42 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         row["allreduce_all_s"] = [t for r in runs for t in r["allreduce_all_s"]]
         row["allreduce_median_s"] = statistics.median(row["allreduce_all_s"])
         row["matchmaking_median_s"] = statistics.median(
-            t - a for r in runs for t, a in zip(r["all_s"], r["allreduce_all_s"]))
+            t - a for r in runs for t, a in zip(r["all_s"], r["allreduce_all_s"])
+        )
     for key in ("bytes_sent_per_round", "wire_bytes_per_round"):
         vals = [r[key] for r in runs if r.get(key) is not None]
         row[key] = statistics.mean(vals) if vals else None
     return row
 
 
-def bench_exchange(warmup: int, reps: int, streams: list[int], codecs: list[str], layouts: list[str],
-                   loop: str, ceiling: bool = True, passes: int = 2) -> dict[str, Any]:
+def bench_exchange(
+    warmup: int,
+    reps: int,
+    streams: list[int],
+    codecs: list[str],
+    layouts: list[str],
+    loop: str,
+    ceiling: bool = True,
+    passes: int = 2,
+) -> dict[str, Any]:
     """Every row, ``passes`` times over (the averager row first in each pass), so that a change in the machine's
     other load lands on every row alike; a row's figure is the median over all its timed rounds."""
     netns = netns_prefix()
     specs: list[dict[str, Any]] = [{"kind": "averager", "warmup": warmup, "reps": reps}]
     for layout in layouts:
         for codec in [*codecs, *([RAW] if ceiling else [])]:
-            for s in (streams if codec != RAW else [max(streams)]):
-                specs.append({"kind": "gossip", "codec": codec, "streams": s, "warmup": warmup, "reps": reps,
-                              "layout": layout, "loop": loop})
+            for s in streams if codec != RAW else [max(streams)]:
+                specs.append(
+                    {
+                        "kind": "gossip",
+                        "codec": codec,
+                        "streams": s,
+                        "warmup": warmup,
+                        "reps": reps,
+                        "layout": layout,
+                        "loop": loop,
+                    }
+                )
     runs: list[list[dict[str, Any]]] = [[] for _ in specs]
     for k in range(passes):
         for spec, acc in zip(specs, runs):
@@ -538,8 +619,9 @@ def bench_exchange(warmup: int, reps: int, streams: list[int], codecs: list[str]
             if spec.get("layout", "split") != "split":
                 row["method"] += f" [{spec['layout']} loop]"
             acc.append(row)
-            print(f"  pass {k + 1}/{passes} {row['method']}: median {row['median_s']:.3f} s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"  pass {k + 1}/{passes} {row['method']}: median {row['median_s']:.3f} s", file=sys.stderr, flush=True
+            )
     rows = [_merge(acc) for acc in runs]
     base, base_ar = rows[0]["median_s"], rows[0]["allreduce_median_s"]
     for r in rows:
@@ -551,59 +633,115 @@ def bench_exchange(warmup: int, reps: int, streams: list[int], codecs: list[str]
             r["averager_s_over_ceiling_s"] = base / r["median_s"]
     loc = [r for r in rows if r["kind"] == "locomm"]
     best = min(loc, key=lambda r: r["median_s"])
-    return {"rows": rows, "netns_isolated": bool(netns),
-            "target": {"min_speedup": TARGET_SPEEDUP, "best_row": best["method"],
-                       "best_speedup": best["averager_s_over_locomm_s"],
-                       "met": best["averager_s_over_locomm_s"] >= TARGET_SPEEDUP,
-                       "met_by": [r["method"] for r in loc if r["averager_s_over_locomm_s"] >= TARGET_SPEEDUP]}}
+    return {
+        "rows": rows,
+        "netns_isolated": bool(netns),
+        "target": {
+            "min_speedup": TARGET_SPEEDUP,
+            "best_row": best["method"],
+            "best_speedup": best["averager_s_over_locomm_s"],
+            "met": best["averager_s_over_locomm_s"] >= TARGET_SPEEDUP,
+            "met_by": [r["method"] for r in loc if r["averager_s_over_locomm_s"] >= TARGET_SPEEDUP],
+        },
+    }
 
 
 def first_heartbeat() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         log = Path(d) / "p.jsonl"
         t0 = time.time()
-        proc = subprocess.Popen([sys.executable, "-m", "locomm.cli.main", "join", "--preset", "nano", "--rounds", "1",
-                                 "--inner-steps", "5", "--device", "cpu", "--log-file", str(log)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "locomm.cli.main",
+                "join",
+                "--preset",
+                "nano",
+                "--rounds",
+                "1",
+                "--inner-steps",
+                "5",
+                "--device",
+                "cpu",
+                "--log-file",
+                str(log),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=300)
         finally:
             with contextlib.suppress(Exception):
                 os.killpg(proc.pid, signal.SIGKILL)
         started = next(json.loads(line) for line in log.read_text().splitlines() if '"started"' in line)
-        return {"launch_to_first_heartbeat_s": started["first_heartbeat_at"] - t0,
-                "node_start_to_first_heartbeat_s": started["first_heartbeat_s"]}
+        return {
+            "launch_to_first_heartbeat_s": started["first_heartbeat_at"] - t0,
+            "node_start_to_first_heartbeat_s": started["first_heartbeat_s"],
+        }
 
 
 def overlap(peers: int, rounds: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "locomm.cli.main", "swarm", "--peers", str(peers), "--rounds",
-                          str(rounds), "--inner-steps", "50", "--preset", "nano", "--json", "--plot",
-                          str(Path(tempfile.gettempdir()) / "locomm-exchange-bench.png")],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "swarm",
+            "--peers",
+            str(peers),
+            "--rounds",
+            str(rounds),
+            "--inner-steps",
+            "50",
+            "--preset",
+            "nano",
+            "--json",
+            "--plot",
+            str(Path(tempfile.gettempdir()) / "locomm-exchange-bench.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def print_table(ex: dict[str, Any]) -> None:
-    print("| method | streams used | median s per 100 MiB exchange | effective MB/s | bytes sent / peer "
-          "| wire bytes / peer | averager_s / locomm_s |")
+    print(
+        "| method | streams used | median s per 100 MiB exchange | effective MB/s | bytes sent / peer "
+        "| wire bytes / peer | averager_s / locomm_s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in ex["rows"]:
         wire = f"{r['wire_bytes_per_round'] / 1e6:.1f} MB" if r.get("wire_bytes_per_round") else "n/a"
-        ratio = {"locomm": f"{r.get('averager_s_over_locomm_s', 0):.2f}x",
-                 "ceiling": f"({r.get('averager_s_over_ceiling_s', 0):.2f}x)"}.get(r["kind"], "1.00x")
-        print(f"| {r['method']} | {r.get('streams_used', '-')} | {r['median_s']:.3f} | {r['effective_MBps']:.0f} "
-              f"| {r['bytes_sent_per_round'] / 1e6:.1f} MB | {wire} | {ratio} |")
+        ratio = {
+            "locomm": f"{r.get('averager_s_over_locomm_s', 0):.2f}x",
+            "ceiling": f"({r.get('averager_s_over_ceiling_s', 0):.2f}x)",
+        }.get(r["kind"], "1.00x")
+        print(
+            f"| {r['method']} | {r.get('streams_used', '-')} | {r['median_s']:.3f} | {r['effective_MBps']:.0f} "
+            f"| {r['bytes_sent_per_round'] / 1e6:.1f} MB | {wire} | {ratio} |"
+        )
     av = ex["rows"][0]
-    print(f"(averager step = {av['matchmaking_median_s']:.3f} s matchmaking + {av['allreduce_median_s']:.3f} s "
-          f"all-reduce)")
+    print(
+        f"(averager step = {av['matchmaking_median_s']:.3f} s matchmaking + {av['allreduce_median_s']:.3f} s "
+        f"all-reduce)"
+    )
     ceil = [r for r in ex["rows"] if r["kind"] == "ceiling"]
     if ceil:
-        print(f"(ceiling: the same bytes on raw p2pd streams take {ceil[0]['median_s']:.3f} s, "
-              f"{ceil[0]['averager_s_over_ceiling_s']:.2f}x less than the averager step: about the most an exchange "
-              f"that moves every fp32 byte through these daemons can gain)")
+        print(
+            f"(ceiling: the same bytes on raw p2pd streams take {ceil[0]['median_s']:.3f} s, "
+            f"{ceil[0]['averager_s_over_ceiling_s']:.2f}x less than the averager step: about the most an exchange "
+            f"that moves every fp32 byte through these daemons can gain)"
+        )
     t = ex["target"]
-    print(f"target locomm >= {t['min_speedup']:.0f}x faster than one averager step: "
-          f"{'MET' if t['met'] else 'NOT MET'} (best {t['best_speedup']:.2f}x, {t['best_row']})")
+    print(
+        f"target locomm >= {t['min_speedup']:.0f}x faster than one averager step: "
+        f"{'MET' if t['met'] else 'NOT MET'} (best {t['best_speedup']:.2f}x, {t['best_row']})"
+    )
 
 
 def main() -> None:
@@ -614,14 +752,25 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2, help="sweeps over all rows (medians over all passes)")
     ap.add_argument("--streams", default="1,4", help="streams_per_transfer values, one row each")
     ap.add_argument("--codecs", default="none,lossless")
-    ap.add_argument("--layouts", default="split",
-                    help="split: each locomm peer in a process of its own (as real peers, and as the averagers); "
-                         "shared: both peers on one event loop in one process (the previous script's layout)")
+    ap.add_argument(
+        "--layouts",
+        default="split",
+        help="split: each locomm peer in a process of its own (as real peers, and as the averagers); "
+        "shared: both peers on one event loop in one process (the previous script's layout)",
+    )
     ap.add_argument("--no-ceiling", action="store_true", help="skip the raw p2pd stream row")
-    ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop",
-                    help="locomm peers' event loop (the daemon uses uvloop when installed; so does hivemind)")
-    ap.add_argument("--only", choices=["exchange", "heartbeat", "swarm"], action="append",
-                    help="measure only these (repeatable); the others' keys are kept from the existing JSON")
+    ap.add_argument(
+        "--loop",
+        choices=["uvloop", "asyncio"],
+        default="uvloop",
+        help="locomm peers' event loop (the daemon uses uvloop when installed; so does hivemind)",
+    )
+    ap.add_argument(
+        "--only",
+        choices=["exchange", "heartbeat", "swarm"],
+        action="append",
+        help="measure only these (repeatable); the others' keys are kept from the existing JSON",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "exchange.json")
     a = ap.parse_args()
     if a.child:
@@ -637,24 +786,48 @@ def main() -> None:
     if a.only and a.out.exists():
         result = json.loads(a.out.read_text())
     if "exchange" in parts:
-        ex = bench_exchange(a.warmup, a.reps, [int(s) for s in a.streams.split(",")], a.codecs.split(","),
-                            a.layouts.split(","), a.loop, ceiling=not a.no_ceiling, passes=a.passes)
+        ex = bench_exchange(
+            a.warmup,
+            a.reps,
+            [int(s) for s in a.streams.split(",")],
+            a.codecs.split(","),
+            a.layouts.split(","),
+            a.loop,
+            ceiling=not a.no_ceiling,
+            passes=a.passes,
+        )
         print_table(ex)
-        result.update({"exchange": ex["rows"], "target": ex["target"],
-                       "setup": {"payload": f"NoLoCo theta, {N_TENSORS} fp32 tensors of {TENSOR_NUMEL} values",
-                                 "payload_bytes": PAYLOAD_BYTES, "peers": 2, "warmup_rounds": a.warmup,
-                                 "timed_rounds": a.reps, "passes": a.passes, "netns_isolated": ex["netns_isolated"],
-                                 "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(),
-                                 "python": platform.python_version()}})
+        result.update(
+            {
+                "exchange": ex["rows"],
+                "target": ex["target"],
+                "setup": {
+                    "payload": f"NoLoCo theta, {N_TENSORS} fp32 tensors of {TENSOR_NUMEL} values",
+                    "payload_bytes": PAYLOAD_BYTES,
+                    "peers": 2,
+                    "warmup_rounds": a.warmup,
+                    "timed_rounds": a.reps,
+                    "passes": a.passes,
+                    "netns_isolated": ex["netns_isolated"],
+                    "cpus": os.cpu_count(),
+                    "load_avg_at_end": os.getloadavg(),
+                    "python": platform.python_version(),
+                },
+            }
+        )
     if "heartbeat" in parts:
         hb = first_heartbeat()
-        print(f"\nlaunch -> first heartbeat: {hb['launch_to_first_heartbeat_s']:.2f} s "
-              f"(of which node start-up {hb['node_start_to_first_heartbeat_s']:.2f} s; the rest is Python imports)")
+        print(
+            f"\nlaunch -> first heartbeat: {hb['launch_to_first_heartbeat_s']:.2f} s "
+            f"(of which node start-up {hb['node_start_to_first_heartbeat_s']:.2f} s; the rest is Python imports)"
+        )
         result["first_heartbeat"] = hb
     if "swarm" in parts:
         sw = overlap(3, 6)
-        print(f"NoLoCo H=50, 3 peers on loopback: compute waited on the network {100 * sw['wait_fraction']:.1f}% of "
-              f"wall-clock ({sw['rounds_completed']} rounds, loss {sw['initial_loss']:.3f} -> {sw['final_loss']:.3f})")
+        print(
+            f"NoLoCo H=50, 3 peers on loopback: compute waited on the network {100 * sw['wait_fraction']:.1f}% of "
+            f"wall-clock ({sw['rounds_completed']} rounds, loss {sw['initial_loss']:.3f} -> {sw['final_loss']:.3f})"
+        )
         result["swarm"] = sw
     a.out.parent.mkdir(exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))

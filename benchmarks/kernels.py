@@ -21,8 +21,9 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -65,14 +66,29 @@ def bench_lossless(n: int, dev: str, repeats: int, rows: list[dict]) -> None:
     t_enc, data = timed(lambda: cpu.encode(x), repeats)
     t_dec, y = timed(lambda: cpu.decode(data), repeats)
     assert torch.equal(y.view(torch.int16), x.view(torch.int16))
-    rows.append(dict(kernel="lossless", impl="cpu (numba)", mb=x.numel() * 2 / 1e6, ratio=x.numel() * 2 / len(data),
-                     encode_gbps=gbps(x.numel() * 2, t_enc), decode_gbps=gbps(x.numel() * 2, t_dec)))
+    rows.append(
+        dict(
+            kernel="lossless",
+            impl="cpu (numba)",
+            mb=x.numel() * 2 / 1e6,
+            ratio=x.numel() * 2 / len(data),
+            encode_gbps=gbps(x.numel() * 2, t_enc),
+            decode_gbps=gbps(x.numel() * 2, t_dec),
+        )
+    )
     v1 = LosslessCodec(layout="lanes")
     t1e, d1 = timed(lambda: v1.encode(x), repeats)
     t1d, _ = timed(lambda: v1.decode(d1), repeats)
-    rows.append(dict(kernel="lossless v1 (4 lanes)", impl="cpu (numba)", mb=x.numel() * 2 / 1e6,
-                     ratio=x.numel() * 2 / len(d1), encode_gbps=gbps(x.numel() * 2, t1e),
-                     decode_gbps=gbps(x.numel() * 2, t1d)))
+    rows.append(
+        dict(
+            kernel="lossless v1 (4 lanes)",
+            impl="cpu (numba)",
+            mb=x.numel() * 2 / 1e6,
+            ratio=x.numel() * 2 / len(d1),
+            encode_gbps=gbps(x.numel() * 2, t1e),
+            decode_gbps=gbps(x.numel() * 2, t1d),
+        )
+    )
     if GPU:
         xg = x.to(dev)
         tri = LosslessCodec(impl="triton")
@@ -86,10 +102,20 @@ def bench_lossless(n: int, dev: str, repeats: int, rows: list[dict]) -> None:
         parsed = tri.parse(dg, check_crc=False)
         buf = torch.frombuffer(bytearray(dg), dtype=torch.uint8).to(dev)
         tdd, _ = timed(lambda: kl.decode(parsed, torch.device(dev), buf=buf), repeats)
-        rows.append(dict(kernel="lossless", impl="triton", mb=x.numel() * 2 / 1e6, ratio=x.numel() * 2 / len(dg),
-                         encode_gbps=gbps(x.numel() * 2, te), decode_gbps=gbps(x.numel() * 2, td),
-                         encode_on_device_gbps=gbps(x.numel() * 2, tde), decode_on_device_gbps=gbps(x.numel() * 2, tdd),
-                         same_bytes_as_cpu=True, d2h_copies=d2h_copies(lambda: tri.encode(xg))))
+        rows.append(
+            dict(
+                kernel="lossless",
+                impl="triton",
+                mb=x.numel() * 2 / 1e6,
+                ratio=x.numel() * 2 / len(dg),
+                encode_gbps=gbps(x.numel() * 2, te),
+                decode_gbps=gbps(x.numel() * 2, td),
+                encode_on_device_gbps=gbps(x.numel() * 2, tde),
+                decode_on_device_gbps=gbps(x.numel() * 2, tdd),
+                same_bytes_as_cpu=True,
+                d2h_copies=d2h_copies(lambda: tri.encode(xg)),
+            )
+        )
 
 
 def d2h_copies(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -100,9 +126,12 @@ def d2h_copies(fn: Callable[[], Any]) -> dict[str, Any]:
         fn()
         sync()
     events = prof.events()
-    return dict(memcpy_dtoh=sum("Memcpy DtoH" in e.name for e in events),
-                to_cpu_shapes=[e.input_shapes[0] if e.input_shapes else None for e in events
-                               if e.name == "aten::_to_copy"][:16])
+    return dict(
+        memcpy_dtoh=sum("Memcpy DtoH" in e.name for e in events),
+        to_cpu_shapes=[e.input_shapes[0] if e.input_shapes else None for e in events if e.name == "aten::_to_copy"][
+            :16
+        ],
+    )
 
 
 def bench_topk(n: int, dev: str, repeats: int, rows: list[dict]) -> None:
@@ -114,8 +143,15 @@ def bench_topk(n: int, dev: str, repeats: int, rows: list[dict]) -> None:
         tri = TopK2BitCodec(k=2, error_feedback=False, impl="triton")
         xg = x.to(dev)
         t, out = timed(lambda: tri.encode(xg), repeats)
-        rows.append(dict(kernel="topk2bit encode", impl="triton", mb=n * 4 / 1e6, encode_gbps=gbps(n * 4, t),
-                         same_bytes_as_cpu=out == ref))
+        rows.append(
+            dict(
+                kernel="topk2bit encode",
+                impl="triton",
+                mb=n * 4 / 1e6,
+                encode_gbps=gbps(n * 4, t),
+                same_bytes_as_cpu=out == ref,
+            )
+        )
 
 
 def bench_subspace(tokens: int, d: int, dev: str, repeats: int, rows: list[dict]) -> None:
@@ -129,17 +165,32 @@ def bench_subspace(tokens: int, d: int, dev: str, repeats: int, rows: list[dict]
         hd, td = h.to(dv), tok.to(dv)
         te, z = timed(lambda: (hd.float() - E[td]) @ U, repeats)
         tr, _ = timed(lambda: (z @ U.T + E[td]).bfloat16(), repeats)
-        rows.append(dict(kernel="subspace", impl=f"eager torch ({dv})", mb=h.numel() * 2 / 1e6,
-                         compress_gbps=gbps(h.numel() * 2, te), decompress_gbps=gbps(h.numel() * 2, tr)))
+        rows.append(
+            dict(
+                kernel="subspace",
+                impl=f"eager torch ({dv})",
+                mb=h.numel() * 2 / 1e6,
+                compress_gbps=gbps(h.numel() * 2, te),
+                decompress_gbps=gbps(h.numel() * 2, tr),
+            )
+        )
         if dv != "cpu":
             from locomm.kernels import subspace as ks
 
             tk, zk = timed(lambda: ks.compress(hd, U, E, td), repeats)
             tkr, hk = timed(lambda: ks.decompress(zk, U, E, td, out_dtype=torch.bfloat16), repeats)
-            rows.append(dict(kernel="subspace", impl="triton", mb=h.numel() * 2 / 1e6,
-                             compress_gbps=gbps(h.numel() * 2, tk), decompress_gbps=gbps(h.numel() * 2, tkr),
-                             speedup_compress=te / tk, speedup_decompress=tr / tkr,
-                             max_abs_err_z=float((zk - z).abs().max())))
+            rows.append(
+                dict(
+                    kernel="subspace",
+                    impl="triton",
+                    mb=h.numel() * 2 / 1e6,
+                    compress_gbps=gbps(h.numel() * 2, tk),
+                    decompress_gbps=gbps(h.numel() * 2, tkr),
+                    speedup_compress=te / tk,
+                    speedup_decompress=tr / tkr,
+                    max_abs_err_z=float((zk - z).abs().max()),
+                )
+            )
 
 
 def bench_step(preset: str, dev: str, repeats: int, rows: list[dict]) -> None:
@@ -158,6 +209,7 @@ def bench_step(preset: str, dev: str, repeats: int, rows: list[dict]) -> None:
     if GPU:
         variants.append(("fused triton", km.fuse_(build_model(spec.model, device=dev))))
     for name, model in variants:
+
         def step() -> float:
             ctx = torch.autocast("cuda", dtype=torch.bfloat16) if GPU else torch.autocast("cpu", enabled=False)
             with ctx:
@@ -179,14 +231,24 @@ def interpreter_checks(rows: list[dict]) -> None:
     same = LosslessCodec(impl="triton", **kw).encode(x) == LosslessCodec(impl="cpu", **kw).encode(x)
     xs = torch.randn(1000)
     same_tk = TopK2BitCodec(k=2, impl="triton").encode(xs) == TopK2BitCodec(k=2, impl="cpu").encode(xs)
-    sc_c, sc_t = SubspaceCodec(d=64, vocab_size=256, k=16, impl="cpu"), SubspaceCodec(d=64, vocab_size=256, k=16, impl="triton")
+    sc_c, sc_t = (
+        SubspaceCodec(d=64, vocab_size=256, k=16, impl="cpu"),
+        SubspaceCodec(d=64, vocab_size=256, k=16, impl="triton"),
+    )
     tok = torch.randint(0, 256, (40,))
     h = torch.randn(40, 64)
     err = float((sc_c.encode_parts(h, tokens=tok)[1][0] - sc_t.encode_parts(h, tokens=tok)[1][0]).abs().max())
     lg, tg = torch.randn(64, 256), torch.randint(0, 256, (64,))
     ce = abs(float(km.cross_entropy(lg, tg)) - float(torch.nn.functional.cross_entropy(lg, tg)))
-    rows.append(dict(kernel="interpreter correctness", lossless_same_bytes=same, topk2bit_same_bytes=same_tk,
-                     subspace_max_abs_err=err, cross_entropy_abs_err=ce))
+    rows.append(
+        dict(
+            kernel="interpreter correctness",
+            lossless_same_bytes=same,
+            topk2bit_same_bytes=same_tk,
+            subspace_max_abs_err=err,
+            cross_entropy_abs_err=ce,
+        )
+    )
 
 
 def main() -> None:
@@ -207,9 +269,15 @@ def main() -> None:
     bench_step(args.preset, dev, args.repeats, rows)
     for r in rows:
         print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-    meta = dict(device=torch.cuda.get_device_name() if GPU else platform.processor() or "cpu",
-                torch=torch.__version__, python=sys.version.split()[0], threads=torch.get_num_threads(),
-                interpreter=not GPU, size_mb=args.size_mb, clock="wall" if GPU else "process CPU time")
+    meta = dict(
+        device=torch.cuda.get_device_name() if GPU else platform.processor() or "cpu",
+        torch=torch.__version__,
+        python=sys.version.split()[0],
+        threads=torch.get_num_threads(),
+        interpreter=not GPU,
+        size_mb=args.size_mb,
+        clock="wall" if GPU else "process CPU time",
+    )
     out = Path(args.out or Path(__file__).parent / "results" / f"kernels_{dev}.json")
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {out}")

@@ -47,42 +47,73 @@ sys.path.insert(0, str(HERE.parent))
 from locomm import netlab  # noqa: E402
 from locomm.config import ConfigError, RunSpec  # noqa: E402
 
-SUMMARY_KEYS = ("rounds_completed", "initial_loss", "final_loss", "bytes_sent", "bytes_received", "exchanges_ok",
-                "exchanges_failed", "wait_s", "faults", "banned", "banned_peers", "errors_answered",
-                "first_heartbeat_s", "interrupted", "wall_s", "peer")
+SUMMARY_KEYS = (
+    "rounds_completed",
+    "initial_loss",
+    "final_loss",
+    "bytes_sent",
+    "bytes_received",
+    "exchanges_ok",
+    "exchanges_failed",
+    "wait_s",
+    "faults",
+    "banned",
+    "banned_peers",
+    "errors_answered",
+    "first_heartbeat_s",
+    "interrupted",
+    "wall_s",
+    "peer",
+)
 KEPT_EVENTS = ("round", "exchange")
 STARTUP_TIMEOUT_S = 180.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", required=True, help="Run spec (TOML); e.g. benchmarks/configs/links-nano.toml")
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", default="80mbit", help="Link rate, up and down: 80mbit, 1gbit, ... or none")
-    ap.add_argument("--rate-spread", type=float, default=0.0,
-                    help="X: per-peer rate = rate * 10^(-X*u), u ~ U(0,1) (as simulate --heterogeneity)")
+    ap.add_argument(
+        "--rate-spread",
+        type=float,
+        default=0.0,
+        help="X: per-peer rate = rate * 10^(-X*u), u ~ U(0,1) (as simulate --heterogeneity)",
+    )
     ap.add_argument("--nat", type=int, default=0, help="The last K peers sit behind a NAT router each")
-    ap.add_argument("--algo", choices=["noloco", "gasloc", "sparseloco", "diloco"],
-                    help="Override outer.algo of the config")
+    ap.add_argument(
+        "--algo", choices=["noloco", "gasloc", "sparseloco", "diloco"], help="Override outer.algo of the config"
+    )
     ap.add_argument("--seed", type=int, default=0, help="Seed of the per-peer rate draw")
     ap.add_argument("--device", default="cpu", help="--device for every peer (default cpu)")
     ap.add_argument("--timeout", type=float, default=600.0, help="Stop the peers after this many seconds")
     ap.add_argument("--grace", type=float, default=30.0, help="Seconds peers get to exit after SIGINT")
-    ap.add_argument("--measure-links", action="store_true",
-                    help="Before starting peers, measure every link's TCP rate both ways (an extra host)")
-    ap.add_argument("--peer-arg", action="append", default=[],
-                    help="Extra argument for every `join` (repeat; e.g. --peer-arg=-v)")
+    ap.add_argument(
+        "--measure-links",
+        action="store_true",
+        help="Before starting peers, measure every link's TCP rate both ways (an extra host)",
+    )
+    ap.add_argument(
+        "--peer-arg", action="append", default=[], help="Extra argument for every `join` (repeat; e.g. --peer-arg=-v)"
+    )
     ap.add_argument("--keep", type=Path, help="Copy the peers' logs (jsonl, stdout, stderr) here")
     ap.add_argument("--out", type=Path, help="Write the JSON here too")
     ap.add_argument("--quiet", action="store_true", help="No progress lines on stderr")
-    ap.add_argument("--pipeline", metavar="SxR",
-                    help="Pipeline mode: S stages x R replicas of `join --stage K` (one host each) train the "
-                         "config's train.steps through the stages (--peers and --rounds are not used)")
+    ap.add_argument(
+        "--pipeline",
+        metavar="SxR",
+        help="Pipeline mode: S stages x R replicas of `join --stage K` (one host each) train the "
+        "config's train.steps through the stages (--peers and --rounds are not used)",
+    )
     ap.add_argument("--steps", type=int, help="With --pipeline: train.steps of every stage-0 replica")
-    ap.add_argument("--no-subspace", action="store_true",
-                    help="With --pipeline: send h in the activation codec's casts, without the subspace")
+    ap.add_argument(
+        "--no-subspace",
+        action="store_true",
+        help="With --pipeline: send h in the activation codec's casts, without the subspace",
+    )
     args = ap.parse_args(argv)
     if args.pipeline:
         try:
@@ -122,7 +153,7 @@ def link_rates(n: int, rate: str, spread: float, seed: int) -> list[int | None]:
 
 def param_count(spec: RunSpec) -> int:
     m = spec.model
-    per_layer = 4 * m.d_model ** 2 + 3 * m.d_model * m.d_ff + 2 * m.d_model
+    per_layer = 4 * m.d_model**2 + 3 * m.d_model * m.d_ff + 2 * m.d_model
     head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
     return m.vocab_size * m.d_model + m.n_layers * per_layer + m.d_model + head
 
@@ -185,21 +216,27 @@ def collect_peer(i: int, folder: Path, host: netlab.Host | None, proc: subproces
     rounds = [e for e in events if e.get("event") == "round"]
     started = next((e for e in events if e.get("event") == "started"), {})
     walls = [e.get("wall_s") for e in rounds]
-    round_s = [b - a for a, b in zip([0.0] + walls[:-1], walls) if isinstance(a, (int, float))
-               and isinstance(b, (int, float))]
+    round_s = [
+        b - a for a, b in zip([0.0] + walls[:-1], walls) if isinstance(a, (int, float)) and isinstance(b, (int, float))
+    ]
     peer: dict[str, Any] = {
-        "index": i, "peer_id": raw.get("peer") or started.get("peer"),
-        "host": host.name if host else None, "ip": host.ip if host else None,
-        "public_ip": host.public_ip if host else None, "nat": bool(host and host.nat),
-        "up_bps": host.up_bps if host else None, "down_bps": host.down_bps if host else None,
+        "index": i,
+        "peer_id": raw.get("peer") or started.get("peer"),
+        "host": host.name if host else None,
+        "ip": host.ip if host else None,
+        "public_ip": host.public_ip if host else None,
+        "nat": bool(host and host.nat),
+        "up_bps": host.up_bps if host else None,
+        "down_bps": host.down_bps if host else None,
         "returncode": proc.returncode if proc is not None else None,
         "summary_source": source,
         "summary": {k: raw.get(k) for k in SUMMARY_KEYS},
         "extra_summary_keys": {k: v for k, v in raw.items() if k not in SUMMARY_KEYS and k != "event"},
         # the daemon's own wall-clock of training when it reports one (it includes the wait for the
         # last exchange, after the last round event), else the last round event's
-        "train_wall_s": raw.get("wall_s") if isinstance(raw.get("wall_s"), (int, float)) else
-        (walls[-1] if walls else None),
+        "train_wall_s": raw.get("wall_s")
+        if isinstance(raw.get("wall_s"), (int, float))
+        else (walls[-1] if walls else None),
         "round_s": round_s,
         "events": [e for e in events if e.get("event") in KEPT_EVENTS],
         "other_events": [e for e in events if e.get("event") not in KEPT_EVENTS + ("started",)],
@@ -213,9 +250,12 @@ def collect_peer(i: int, folder: Path, host: netlab.Host | None, proc: subproces
 def totals(peers: list[dict[str, Any]], wall_s: float | None) -> dict[str, Any]:
     s = [p["summary"] for p in peers]
     # wait_s from the summary, else (a peer killed early) from its last round event
-    wait = [x.get("wait_s") if x.get("wait_s") is not None else
-            next((e.get("wait_s") for e in reversed(p["events"]) if e.get("event") == "round"), None)
-            for p, x in zip(peers, s)]
+    wait = [
+        x.get("wait_s")
+        if x.get("wait_s") is not None
+        else next((e.get("wait_s") for e in reversed(p["events"]) if e.get("event") == "round"), None)
+        for p, x in zip(peers, s)
+    ]
     walls = [p["train_wall_s"] for p in peers]
     pairs = [(w, t) for w, t in zip(wait, walls) if isinstance(w, (int, float)) and isinstance(t, (int, float))]
     faults = [_count(x.get("faults")) for x in s]
@@ -228,21 +268,26 @@ def totals(peers: list[dict[str, Any]], wall_s: float | None) -> dict[str, Any]:
                 other[k] = other.get(k, 0) + v
     return {
         "peers_finished": sum(1 for x in s if x.get("rounds_completed") is not None),
-        "rounds_completed_min": min((x["rounds_completed"] for x in s if x.get("rounds_completed") is not None),
-                                    default=None),
-        "exchanges_ok": ok, "exchanges_failed": _sum([x.get("exchanges_failed") for x in s]),
-        "faults": _sum(faults), "bans": _sum(bans),
+        "rounds_completed_min": min(
+            (x["rounds_completed"] for x in s if x.get("rounds_completed") is not None), default=None
+        ),
+        "exchanges_ok": ok,
+        "exchanges_failed": _sum([x.get("exchanges_failed") for x in s]),
+        "faults": _sum(faults),
+        "bans": _sum(bans),
         "bytes_sent": _sum([x.get("bytes_sent") for x in s]),
         "bytes_received": _sum([x.get("bytes_received") for x in s]),
         "bytes_per_ok_exchange": (_sum([x.get("bytes_sent") for x in s]) or 0) / ok if ok else None,
         "wall_s": wall_s,
         "train_wall_s_sum": sum(t for _, t in pairs) if pairs else None,
         "wait_s_sum": sum(w for w, _ in pairs) if pairs else None,
-        "wait_share": (sum(w for w, _ in pairs) / sum(t for _, t in pairs)) if pairs and sum(t for _, t in pairs) > 0
+        "wait_share": (sum(w for w, _ in pairs) / sum(t for _, t in pairs))
+        if pairs and sum(t for _, t in pairs) > 0
         else None,
         "initial_loss_mean": _mean([x.get("initial_loss") for x in s]),
         "final_loss_mean": _mean([x.get("final_loss") for x in s]),
-        "link_up_bps": [p["up_bps"] for p in peers], "link_down_bps": [p["down_bps"] for p in peers],
+        "link_up_bps": [p["up_bps"] for p in peers],
+        "link_down_bps": [p["down_bps"] for p in peers],
         "other_sums": other,
     }
 
@@ -302,10 +347,28 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
 
         def launch(i: int, initial: str | None) -> subprocess.Popen:
             h = hosts[i]
-            cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(spec_path),
-                   "--until-round", str(args.rounds), "--log-file", str(folder / f"peer{i}.jsonl"),
-                   "--shard", f"{i}/{n}", "--wait-for-peers", str(n), "--device", args.device,
-                   "--host-maddrs", f"/ip4/{h.ip}/tcp/0", "--json", *args.peer_arg]
+            cmd = [
+                sys.executable,
+                "-m",
+                "locomm.cli.main",
+                "join",
+                "--config",
+                str(spec_path),
+                "--until-round",
+                str(args.rounds),
+                "--log-file",
+                str(folder / f"peer{i}.jsonl"),
+                "--shard",
+                f"{i}/{n}",
+                "--wait-for-peers",
+                str(n),
+                "--device",
+                args.device,
+                "--host-maddrs",
+                f"/ip4/{h.ip}/tcp/0",
+                "--json",
+                *args.peer_arg,
+            ]
             cmd += ["--initial-peers", initial] if initial else ["--announce-file", str(folder / "peer0.addr")]
             out = open(folder / f"peer{i}.out", "w")  # noqa: SIM115 - the child holds it; closed below
             err = open(folder / f"peer{i}.err", "w")  # noqa: SIM115
@@ -345,12 +408,15 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
                 break
             for i in range(n):  # progress: one line per new round event
                 ev = [e for e in read_events(folder / f"peer{i}.jsonl") if e.get("event") in KEPT_EVENTS]
-                for e in ev[seen[i]:]:
+                for e in ev[seen[i] :]:
                     if e.get("event") == "round":
-                        log(args, f"[{time.perf_counter() - state['t0']:6.1f}s] peer {i} round {e.get('round')} "
-                                  f"loss {e.get('loss', float('nan')):.3f} answered {e.get('answered')} "
-                                  f"wait {e.get('wait_s', 0):.1f}s wall {e.get('wall_s', 0):.1f}s "
-                                  f"sent {e.get('bytes_sent', 0) / 1e6:.1f} MB")
+                        log(
+                            args,
+                            f"[{time.perf_counter() - state['t0']:6.1f}s] peer {i} round {e.get('round')} "
+                            f"loss {e.get('loss', float('nan')):.3f} answered {e.get('answered')} "
+                            f"wait {e.get('wait_s', 0):.1f}s wall {e.get('wall_s', 0):.1f}s "
+                            f"sent {e.get('bytes_sent', 0) / 1e6:.1f} MB",
+                        )
                 seen[i] = len(ev)
             time.sleep(0.5)
         # Leaving the with-block: the lab sends SIGINT to every peer group, waits --grace, kills the rest.
@@ -374,13 +440,26 @@ def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
     n = args.stages * args.replicas
     rates = link_rates(n, args.rate, args.rate_spread, args.seed)
     result: dict[str, Any] = {
-        "bench": "links-pipeline", "config": str(args.config), "spec_hash": spec.hash(), "stages": args.stages,
-        "replicas": args.replicas, "subspace": spec.pipeline.subspace, "k": spec.model.d_model //
-        spec.compression.subspace_rate, "d_model": spec.model.d_model, "params": param_count(spec),
-        "batch": [spec.data.batch_size, spec.data.seq_len], "micro_batch_size": spec.pipeline.micro_batch_size,
-        "in_flight": spec.pipeline.in_flight, "activation_codec": boundary_stack(spec),
-        "train_steps": spec.train.steps, "rate": args.rate, "rate_spread": args.rate_spread, "rates_bps": rates,
-        "cpus": os.cpu_count(), "started_at": time.time(), "error": None,
+        "bench": "links-pipeline",
+        "config": str(args.config),
+        "spec_hash": spec.hash(),
+        "stages": args.stages,
+        "replicas": args.replicas,
+        "subspace": spec.pipeline.subspace,
+        "k": spec.model.d_model // spec.compression.subspace_rate,
+        "d_model": spec.model.d_model,
+        "params": param_count(spec),
+        "batch": [spec.data.batch_size, spec.data.seq_len],
+        "micro_batch_size": spec.pipeline.micro_batch_size,
+        "in_flight": spec.pipeline.in_flight,
+        "activation_codec": boundary_stack(spec),
+        "train_steps": spec.train.steps,
+        "rate": args.rate,
+        "rate_spread": args.rate_spread,
+        "rates_bps": rates,
+        "cpus": os.cpu_count(),
+        "started_at": time.time(),
+        "error": None,
     }
     code = 0
     try:
@@ -389,10 +468,15 @@ def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
             for h in hosts:
                 log(args, f"links: {h}")
             summary = run_pipeline_swarm(
-                spec, stages=args.stages, replicas=args.replicas, quiet=args.quiet, keep=args.keep,
+                spec,
+                stages=args.stages,
+                replicas=args.replicas,
+                quiet=args.quiet,
+                keep=args.keep,
                 peer_args=("--device", args.device, *args.peer_arg),
                 spawn=lambda i, cmd, **kw: hosts[i].popen(cmd, **kw),
-                host_maddr=lambda i: f"/ip4/{hosts[i].ip}/tcp/0")
+                host_maddr=lambda i: f"/ip4/{hosts[i].ip}/tcp/0",
+            )
         result.update(summary)
         if summary.get("failed_peers") or summary.get("interrupted"):
             code = 1
@@ -403,9 +487,12 @@ def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
-    log(args, f"links: pipeline {args.pipeline} subspace={spec.pipeline.subspace} at {args.rate}: "
-              f"{result.get('tokens_per_s')} tokens/s, loss {result.get('initial_loss')} -> {result.get('final_loss')}, "
-              f"{result.get('bytes_per_token_per_boundary')} B/token/boundary, error {result['error']}")
+    log(
+        args,
+        f"links: pipeline {args.pipeline} subspace={spec.pipeline.subspace} at {args.rate}: "
+        f"{result.get('tokens_per_s')} tokens/s, loss {result.get('initial_loss')} -> {result.get('final_loss')}, "
+        f"{result.get('bytes_per_token_per_boundary')} B/token/boundary, error {result['error']}",
+    )
     print(json.dumps(result, sort_keys=True, default=str), flush=True)
     return code
 
@@ -438,12 +525,26 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="locomm-links-"))
     state: dict[str, Any] = {"procs": [], "hosts": [], "rates": rates, "connections": []}
     result: dict[str, Any] = {
-        "bench": "links", "config": str(args.config), "spec_hash": spec.hash(), "algo": spec.outer.algo,
-        "inner_steps": spec.outer.inner_steps, "params": param_count(spec),
-        "batch": [spec.data.batch_size, spec.data.seq_len], "request_timeout_s": spec.network.request_timeout_s,
-        "peers": args.peers, "rounds": args.rounds, "rate": args.rate, "rate_spread": args.rate_spread,
-        "nat": args.nat, "seed": args.seed, "omp_threads": max(1, (os.cpu_count() or 1) // args.peers),
-        "cpus": os.cpu_count(), "started_at": time.time(), "interrupted": False, "timed_out": False, "error": None,
+        "bench": "links",
+        "config": str(args.config),
+        "spec_hash": spec.hash(),
+        "algo": spec.outer.algo,
+        "inner_steps": spec.outer.inner_steps,
+        "params": param_count(spec),
+        "batch": [spec.data.batch_size, spec.data.seq_len],
+        "request_timeout_s": spec.network.request_timeout_s,
+        "peers": args.peers,
+        "rounds": args.rounds,
+        "rate": args.rate,
+        "rate_spread": args.rate_spread,
+        "nat": args.nat,
+        "seed": args.seed,
+        "omp_threads": max(1, (os.cpu_count() or 1) // args.peers),
+        "cpus": os.cpu_count(),
+        "started_at": time.time(),
+        "interrupted": False,
+        "timed_out": False,
+        "error": None,
     }
     code = 0
     try:
@@ -463,8 +564,10 @@ def main(argv: list[str] | None = None) -> int:
         hosts, procs = state["hosts"], state["procs"]
         t0 = state.get("t0")
         wall = (state.get("t_end") or time.perf_counter()) - t0 if t0 is not None else None
-        result["per_peer"] = [collect_peer(i, folder, hosts[i] if i < len(hosts) else None,
-                                           procs[i] if i < len(procs) else None) for i in range(args.peers)]
+        result["per_peer"] = [
+            collect_peer(i, folder, hosts[i] if i < len(hosts) else None, procs[i] if i < len(procs) else None)
+            for i in range(args.peers)
+        ]
         for i, (p, r) in enumerate(zip(result["per_peer"], rates)):
             p["rate_bps"] = r
             c = state["connections"]
@@ -478,10 +581,13 @@ def main(argv: list[str] | None = None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
         t = result["totals"]
-        log(args, f"links: {t['peers_finished']}/{args.peers} peers finished, rounds>= {t['rounds_completed_min']}, "
-                  f"exchanges ok {t['exchanges_ok']} failed {t['exchanges_failed']}, "
-                  f"sent {(t['bytes_sent'] or 0) / 1e6:.1f} MB, wait share {t['wait_share']}, "
-                  f"loss {t['initial_loss_mean']} -> {t['final_loss_mean']}, wall {wall and round(wall, 1)} s")
+        log(
+            args,
+            f"links: {t['peers_finished']}/{args.peers} peers finished, rounds>= {t['rounds_completed_min']}, "
+            f"exchanges ok {t['exchanges_ok']} failed {t['exchanges_failed']}, "
+            f"sent {(t['bytes_sent'] or 0) / 1e6:.1f} MB, wait share {t['wait_share']}, "
+            f"loss {t['initial_loss_mean']} -> {t['final_loss_mean']}, wall {wall and round(wall, 1)} s",
+        )
         print(text, flush=True)
     failed = [p["index"] for p in result["per_peer"] if p["returncode"] not in (0, None)]
     if code == 0 and (failed or result["timed_out"]):

@@ -49,29 +49,62 @@ def main() -> None:
     ap.add_argument("--join-at", type=int, default=20)
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
-    ap.add_argument("--heartbeat-ttl", type=float, default=3.0,
-                    help="Keep it below a round's duration, as in a real run (5 s heartbeats, 30 s TTL, minute rounds)")
+    ap.add_argument(
+        "--heartbeat-ttl",
+        type=float,
+        default=3.0,
+        help="Keep it below a round's duration, as in a real run (5 s heartbeats, 30 s TTL, minute rounds)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="locomm-membership-"))
-    spec = (RunSpec.preset("nano").replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
-            .replace("outer", algo="noloco", inner_steps=args.inner_steps)
-            .replace("train", steps=args.rounds * args.inner_steps, eval_batches=2, eval_interval=0)
-            .replace("network", heartbeat_interval_s=args.heartbeat_interval, heartbeat_ttl_s=args.heartbeat_ttl,
-                     stall_timeout_s=5.0))
+    spec = (
+        RunSpec.preset("nano")
+        .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
+        .replace("outer", algo="noloco", inner_steps=args.inner_steps)
+        .replace("train", steps=args.rounds * args.inner_steps, eval_batches=2, eval_interval=0)
+        .replace(
+            "network",
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_ttl_s=args.heartbeat_ttl,
+            stall_timeout_s=5.0,
+        )
+    )
     cfg = tmp / "run.toml"
     spec.save(cfg)
     procs: dict[str, subprocess.Popen] = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def launch(name: str, initial: str | None, wait: int) -> None:
-        cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(cfg), "--device", "cpu", "-q",
-               "--log-file", str(tmp / f"{name}.jsonl"), "--until-round", str(args.rounds),
-               "--announce-file", str(tmp / f"{name}.addr"), "--wait-for-peers", str(wait)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "join",
+            "--config",
+            str(cfg),
+            "--device",
+            "cpu",
+            "-q",
+            "--log-file",
+            str(tmp / f"{name}.jsonl"),
+            "--until-round",
+            str(args.rounds),
+            "--announce-file",
+            str(tmp / f"{name}.addr"),
+            "--wait-for-peers",
+            str(wait),
+        ]
         if initial:
             cmd += ["--initial-peers", initial]
-        procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.err", "w"),
-                                       stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        procs[name] = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp / f"{name}.err", "w"),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
 
     def rounds(name: str) -> int:
         ev = [e for e in read(tmp / f"{name}.jsonl") if e.get("event") == "round"]
@@ -109,14 +142,25 @@ def main() -> None:
                 # The event is written after the round counter moved on: it describes round - 1.
                 by_round[e["round"] - 1].append((name, tuple(e["member_ids"])))
     disagree = [r for r, views in by_round.items() if len({v for _, v in views}) > 1]
-    result = {"command": " ".join(sys.argv), "inner_steps": args.inner_steps,
-              "heartbeat_interval_s": args.heartbeat_interval, "heartbeat_ttl_s": args.heartbeat_ttl,
-              "peers": args.peers, "rounds": args.rounds, "kill_at": args.kill_at, "join_at": args.join_at,
-              "rounds_observed": len(by_round), "rounds_with_disagreement": len(disagree),
-              "disagreement_rate": len(disagree) / max(1, len(by_round)), "disagreeing_rounds": sorted(disagree),
-              "wall_s": time.time() - t0,
-              "finished": {n: next((e for e in read(tmp / f"{n}.jsonl") if e.get("event") == "finished"), {})
-                           .get("exchanges_failed") for n in procs}}
+    result = {
+        "command": " ".join(sys.argv),
+        "inner_steps": args.inner_steps,
+        "heartbeat_interval_s": args.heartbeat_interval,
+        "heartbeat_ttl_s": args.heartbeat_ttl,
+        "peers": args.peers,
+        "rounds": args.rounds,
+        "kill_at": args.kill_at,
+        "join_at": args.join_at,
+        "rounds_observed": len(by_round),
+        "rounds_with_disagreement": len(disagree),
+        "disagreement_rate": len(disagree) / max(1, len(by_round)),
+        "disagreeing_rounds": sorted(disagree),
+        "wall_s": time.time() - t0,
+        "finished": {
+            n: next((e for e in read(tmp / f"{n}.jsonl") if e.get("event") == "finished"), {}).get("exchanges_failed")
+            for n in procs
+        },
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

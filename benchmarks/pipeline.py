@@ -47,8 +47,14 @@ def spec_for(name: str, steps: int, stages: int, wide_layers: int = 4) -> RunSpe
     spec = spec.replace("train", steps=steps, eval_batches=16)
     spec = spec.replace("compression", activation=CODEC, act_gradient=CODEC, subspace_rate=rate)
     free = -1 if name.endswith("_free") else 2  # tiny32 is node0's rule (2 free), tiny32_free the default
-    return spec.replace("pipeline", stages=stages, micro_batch_size=4, in_flight=2,
-                        subspace=not name.endswith("_plain"), free_tail_layers=free)
+    return spec.replace(
+        "pipeline",
+        stages=stages,
+        micro_batch_size=4,
+        in_flight=2,
+        subspace=not name.endswith("_plain"),
+        free_tail_layers=free,
+    )
 
 
 def run_one(name: str, steps: int, stages: int, wide_layers: int = 4) -> dict[str, Any]:
@@ -58,39 +64,58 @@ def run_one(name: str, steps: int, stages: int, wide_layers: int = 4) -> dict[st
         from locomm.train import train  # noqa: PLC0415
 
         r = train(spec)
-        return {"run": name, "kind": "unsplit", "d_model": spec.model.d_model, "steps": r.steps,
-                "final_val_loss": r.val_loss, "final_train_loss": r.train_loss,
-                "tokens": r.steps * spec.data.batch_size * spec.data.seq_len,
-                "uncompressed_bf16_bytes_per_token": 2 * spec.model.d_model, "wall_s": time.perf_counter() - t0}
+        return {
+            "run": name,
+            "kind": "unsplit",
+            "d_model": spec.model.d_model,
+            "steps": r.steps,
+            "final_val_loss": r.val_loss,
+            "final_train_loss": r.train_loss,
+            "tokens": r.steps * spec.data.batch_size * spec.data.seq_len,
+            "uncompressed_bf16_bytes_per_token": 2 * spec.model.d_model,
+            "wall_s": time.perf_counter() - t0,
+        }
     from locomm.sim.pipeline import PipelineSim, summarize  # noqa: PLC0415
 
     sim = PipelineSim(spec, 1)
     res = sim.run(steps)
     out = summarize(sim, res, link_bps=80e6, latency_s=0.03, tflops=10.0)
-    out.update(free_tail_layers=spec.pipeline.free_tail_layers, run=name, kind="pipeline", tokens=steps * res.tokens_per_step, wall_s=time.perf_counter() - t0)
+    out.update(
+        free_tail_layers=spec.pipeline.free_tail_layers,
+        run=name,
+        kind="pipeline",
+        tokens=steps * res.tokens_per_step,
+        wall_s=time.perf_counter() - t0,
+    )
     return out
 
 
 def table(results: list[dict[str, Any]]) -> str:
     by = {r["run"]: r for r in results}
-    lines = [f"{'run':<14} {'d':>4} {'k':>3} {'steps':>5} {'val loss':>9} {'vs plain':>9} {'vs unsplit':>10} "
-             f"{'B/tok/bdry':>11} {'fwd':>7} {'bwd':>7} {'2d bf16':>7}"]
+    lines = [
+        f"{'run':<14} {'d':>4} {'k':>3} {'steps':>5} {'val loss':>9} {'vs plain':>9} {'vs unsplit':>10} "
+        f"{'B/tok/bdry':>11} {'fwd':>7} {'bwd':>7} {'2d bf16':>7}"
+    ]
     for r in results:
         fam = r["run"].split("_")[0].rstrip("0123456789")
-        plain = by.get(f"{r['run'].removesuffix('_free')}_plain") if not r["run"].endswith(("_plain", "_unsplit")) else None
+        plain = (
+            by.get(f"{r['run'].removesuffix('_free')}_plain") if not r["run"].endswith(("_plain", "_unsplit")) else None
+        )
         unsplit = by.get(f"{fam}_unsplit")
 
         def rel(o: dict[str, Any] | None) -> str:
             return f"{100 * (r['final_val_loss'] / o['final_val_loss'] - 1):+.2f}%" if o else "-"
 
         bpt = r.get("bytes_per_token_per_boundary")
-        lines.append(f"{r['run']:<14} {r['d_model']:>4} {r.get('k', '-') if r.get('subspace', False) else '-':>3} "
-                     f"{r['steps']:>5} {r['final_val_loss']:>9.4f} {rel(plain):>9} "
-                     f"{rel(unsplit) if r['kind'] == 'pipeline' else '-':>10} "
-                     f"{bpt if bpt is None else round(bpt, 2)!s:>11} "
-                     f"{round(r.get('bytes_per_token_per_boundary_fwd', 0), 2)!s:>7} "
-                     f"{round(r.get('bytes_per_token_per_boundary_bwd', 0), 2)!s:>7} "
-                     f"{r['uncompressed_bf16_bytes_per_token']:>7}")
+        lines.append(
+            f"{r['run']:<14} {r['d_model']:>4} {r.get('k', '-') if r.get('subspace', False) else '-':>3} "
+            f"{r['steps']:>5} {r['final_val_loss']:>9.4f} {rel(plain):>9} "
+            f"{rel(unsplit) if r['kind'] == 'pipeline' else '-':>10} "
+            f"{bpt if bpt is None else round(bpt, 2)!s:>11} "
+            f"{round(r.get('bytes_per_token_per_boundary_fwd', 0), 2)!s:>7} "
+            f"{round(r.get('bytes_per_token_per_boundary_bwd', 0), 2)!s:>7} "
+            f"{r['uncompressed_bf16_bytes_per_token']:>7}"
+        )
     return "\n".join(lines)
 
 
@@ -112,9 +137,18 @@ def main() -> None:
             # the same spec, steps, batches and validation windows as tiny_unsplit here.
             t = json.loads(train_json.read_text()).get("tiny", {})
             if t.get("steps") == args.steps:
-                results.append({"run": "tiny_unsplit", "kind": "unsplit", "d_model": 256, "steps": t["steps"],
-                                "final_val_loss": t["val_loss"], "final_train_loss": t["train_loss"],
-                                "uncompressed_bf16_bytes_per_token": 512, "source": "benchmarks/results/train.json"})
+                results.append(
+                    {
+                        "run": "tiny_unsplit",
+                        "kind": "unsplit",
+                        "d_model": 256,
+                        "steps": t["steps"],
+                        "final_val_loss": t["val_loss"],
+                        "final_train_loss": t["train_loss"],
+                        "uncompressed_bf16_bytes_per_token": 512,
+                        "source": "benchmarks/results/train.json",
+                    }
+                )
         order = ["tiny32", "tiny32_free", "tiny32_plain", "tiny_unsplit", "wide100", "wide100_plain", "wide_unsplit"]
         results.sort(key=lambda r: order.index(r["run"]) if r["run"] in order else 99)
         print(table(results))

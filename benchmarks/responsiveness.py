@@ -136,8 +136,18 @@ class Node:
         self.limits = Limits()
         self.server = LoopDecodeServer(self.p2p, RUN_ID, self.limits, self.pool, authorize=None)
         self.server.deferred = []
-        self.gossip = Gossip(self.p2p, self.server, run_id=RUN_ID, me=self.me, codec=self.codec, limits=self.limits,
-                             faults=Faults(100), max_body_bytes=1 << 31, streams=4, parallel_threshold=16 << 20)
+        self.gossip = Gossip(
+            self.p2p,
+            self.server,
+            run_id=RUN_ID,
+            me=self.me,
+            codec=self.codec,
+            limits=self.limits,
+            faults=Faults(100),
+            max_body_bytes=1 << 31,
+            streams=4,
+            parallel_threshold=16 << 20,
+        )
         await self.server.add(self.gossip.service())
         if hasattr(self.codec, "warm_up"):
             self.codec.warm_up()
@@ -161,6 +171,7 @@ class Node:
 
 # ------------------------------------------------------------------------------ sender process
 
+
 def sender_process(conn: Any, mib: int, codec_name: str, seed: int) -> None:
     async def main() -> None:
         from locomm.peer.gossip import Outgoing
@@ -183,8 +194,14 @@ def sender_process(conn: Any, mib: int, codec_name: str, seed: int) -> None:
                 outcome = await node.gossip.push(receiver, out)
                 out.close()
                 del out
-                conn.send({"outcome": getattr(outcome, "name", str(outcome)), "push_s": time.perf_counter() - t0,
-                           "bytes_sent": node.gossip.stats.bytes_sent - s0, "peak_rss_mb": peak_rss_mb()})
+                conn.send(
+                    {
+                        "outcome": getattr(outcome, "name", str(outcome)),
+                        "push_s": time.perf_counter() - t0,
+                        "bytes_sent": node.gossip.stats.bytes_sent - s0,
+                        "peak_rss_mb": peak_rss_mb(),
+                    }
+                )
         finally:
             await node.close()
 
@@ -192,6 +209,7 @@ def sender_process(conn: Any, mib: int, codec_name: str, seed: int) -> None:
 
 
 # ------------------------------------------------------------------------------ receiver (this process)
+
 
 def gaps_in(ticks: list[float], t0: float, t1: float) -> list[float]:
     """Gaps between consecutive ticks that overlap [t0, t1] (the one spanning t1 included)."""
@@ -252,8 +270,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             seen = last
             frame = sys._current_frames().get(loop_thread)
-            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
-                                for f in reversed(traceback.extract_stack(frame)[-4:])) if frame else "?"
+            where = (
+                " <- ".join(
+                    f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                    for f in reversed(traceback.extract_stack(frame)[-4:])
+                )
+                if frame
+                else "?"
+            )
             stalls.append((time.monotonic(), where))
 
     threading.Thread(target=watchdog, daemon=True).start()
@@ -286,27 +310,40 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.monotonic()
             mine.send(("push", r))
             async with node.gossip.arrived:
-                await asyncio.wait_for(node.gossip.arrived.wait_for(lambda r=r: sender in node.gossip.mailbox.get(r, {})),
-                                       args.timeout)
+                await asyncio.wait_for(
+                    node.gossip.arrived.wait_for(lambda r=r: sender in node.gossip.mailbox.get(r, {})), args.timeout
+                )
             t1 = time.monotonic()
             got = node.gossip.mailbox[r].pop(sender)
             await asyncio.sleep(2 * args.interval)  # let the gap that spans the end close (nothing else on the loop)
             sent = await asyncio.to_thread(mine.recv)
-            exact = await asyncio.to_thread(lambda: set(got) == set(want) and all(torch.equal(got[k], want[k])
-                                                                                  for k in want))
+            exact = await asyncio.to_thread(
+                lambda got=got: set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+            )
             del got
-            runs.append({
-                "mode": mode, "payload_bytes": payload_bytes, "bytes_on_wire": sent["bytes_sent"],
-                "push_outcome": sent["outcome"], "bit_exact": exact, "transfer_decode_s": t1 - t0,
-                "tick_gaps": gaps_in(ticks, t0, t1), "probe_gaps": gaps_in(probes, t0, t1),
-                "beat_gaps": gaps_in([b[0] for b in beats], t0, t1),
-                "store_latencies": [lat for at, lat in beats if t0 < at < t1 + args.interval],
-                "probe_max_gap_starts_at_s": worst_start(probes, t0, t1),
-                "stalls": [{"at_s": round(at - t0, 3), "loop_thread_in": where}
-                           for at, where in stalls if t0 <= at <= t1 + args.interval][:4],
-                "sender_peak_rss_mb": sent["peak_rss_mb"], "receiver_peak_rss_mb": peak_rss_mb(),
-                "load_avg_1m": os.getloadavg()[0],
-            })
+            runs.append(
+                {
+                    "mode": mode,
+                    "payload_bytes": payload_bytes,
+                    "bytes_on_wire": sent["bytes_sent"],
+                    "push_outcome": sent["outcome"],
+                    "bit_exact": exact,
+                    "transfer_decode_s": t1 - t0,
+                    "tick_gaps": gaps_in(ticks, t0, t1),
+                    "probe_gaps": gaps_in(probes, t0, t1),
+                    "beat_gaps": gaps_in([b[0] for b in beats], t0, t1),
+                    "store_latencies": [lat for at, lat in beats if t0 < at < t1 + args.interval],
+                    "probe_max_gap_starts_at_s": worst_start(probes, t0, t1),
+                    "stalls": [
+                        {"at_s": round(at - t0, 3), "loop_thread_in": where}
+                        for at, where in stalls
+                        if t0 <= at <= t1 + args.interval
+                    ][:4],
+                    "sender_peak_rss_mb": sent["peak_rss_mb"],
+                    "receiver_peak_rss_mb": peak_rss_mb(),
+                    "load_avg_1m": os.getloadavg()[0],
+                }
+            )
             if not exact or sent["outcome"] != "OK":
                 raise RuntimeError(f"{mode}: the payload did not arrive intact ({sent}, bit-exact: {exact})")
         mine.send(("stop",))
@@ -318,14 +355,25 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         await node.close()
         if proc.is_alive():
             proc.kill()
-    return {"runs": runs, "setup": {"payload_mib": args.mb, "tensors": {k: list(v) for k, v in shapes.items()},
-                                    "codec": args.codec, "interval_s": args.interval, "streams": 4,
-                                    "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(),
-                                    "python": platform.python_version()}}
+    return {
+        "runs": runs,
+        "setup": {
+            "payload_mib": args.mb,
+            "tensors": {k: list(v) for k, v in shapes.items()},
+            "codec": args.codec,
+            "interval_s": args.interval,
+            "streams": 4,
+            "cpus": os.cpu_count(),
+            "load_avg_at_end": os.getloadavg(),
+            "python": platform.python_version(),
+        },
+    }
 
 
-DECODE = {"pool": "in the codec pool (RpcServer.decode -> run_in_executor), part by part as parts arrive",
-          "loop": "on the loop thread: every part read first, then all decoded in one go (the previous gossip)"}
+DECODE = {
+    "pool": "in the codec pool (RpcServer.decode -> run_in_executor), part by part as parts arrive",
+    "loop": "on the loop thread: every part read first, then all decoded in one go (the previous gossip)",
+}
 
 
 def summarize(mode: str, runs: list[dict[str, Any]], interval: float, codec: str) -> dict[str, Any]:
@@ -336,18 +384,31 @@ def summarize(mode: str, runs: list[dict[str, Any]], interval: float, codec: str
     lat = [x for r in runs for x in r["store_latencies"]]
     max_gap, max_beat = (max(ticks) if ticks else None), (max(beats) if beats else None)
     return {
-        "mode": mode, "decode": DECODE[mode], "codec": codec, "payload_bytes": runs[0]["payload_bytes"],
-        "bytes_on_wire": runs[0]["bytes_on_wire"], "repetitions": len(runs),
-        "bit_exact": all(r["bit_exact"] for r in runs), "push_outcomes": sorted({r["push_outcome"] for r in runs}),
+        "mode": mode,
+        "decode": DECODE[mode],
+        "codec": codec,
+        "payload_bytes": runs[0]["payload_bytes"],
+        "bytes_on_wire": runs[0]["bytes_on_wire"],
+        "repetitions": len(runs),
+        "bit_exact": all(r["bit_exact"] for r in runs),
+        "push_outcomes": sorted({r["push_outcome"] for r in runs}),
         "transfer_decode_s": statistics.median(r["transfer_decode_s"] for r in runs),
         "transfer_decode_all_s": [r["transfer_decode_s"] for r in runs],
         "interval_s": interval,
-        "max_gap_s": max_gap, "p99_gap_s": pct(ticks, 0.99), "median_gap_s": pct(ticks, 0.5), "gaps": len(ticks),
+        "max_gap_s": max_gap,
+        "p99_gap_s": pct(ticks, 0.99),
+        "median_gap_s": pct(ticks, 0.5),
+        "gaps": len(ticks),
         "max_gap_per_repetition_s": [max(r["tick_gaps"]) if r["tick_gaps"] else None for r in runs],
-        "heartbeat_store_max_gap_s": max_beat, "heartbeat_store_p99_gap_s": pct(beats, 0.99),
-        "heartbeat_store_gaps": len(beats), "heartbeat_store_max_latency_s": max(lat) if lat else None,
-        "probe_interval_s": PROBE_S, "probe_max_gap_s": max(probes) if probes else None,
-        "probe_p99_gap_s": pct(probes, 0.99), "probe_p50_gap_s": pct(probes, 0.5), "probe_gaps": len(probes),
+        "heartbeat_store_max_gap_s": max_beat,
+        "heartbeat_store_p99_gap_s": pct(beats, 0.99),
+        "heartbeat_store_gaps": len(beats),
+        "heartbeat_store_max_latency_s": max(lat) if lat else None,
+        "probe_interval_s": PROBE_S,
+        "probe_max_gap_s": max(probes) if probes else None,
+        "probe_p99_gap_s": pct(probes, 0.99),
+        "probe_p50_gap_s": pct(probes, 0.5),
+        "probe_gaps": len(probes),
         "probe_max_gap_starts_at_s": [r["probe_max_gap_starts_at_s"] for r in runs],
         "loop_stalls_over_100ms": [{**x, "repetition": i} for i, r in enumerate(runs) for x in r["stalls"]][:8],
         "ok": (max_gap is not None and max_gap <= 2 * interval and max_beat is not None and max_beat <= 2 * interval),
@@ -362,8 +423,9 @@ def run_in_own_session(timeout: float) -> int:
     process and both p2pd daemons go with it, whatever happened."""
     import subprocess
 
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child"],
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child"], start_new_session=True
+    )
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -396,25 +458,43 @@ def main() -> None:
             signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
         sys.exit(run_in_own_session(args.timeout * len(args.modes) * args.repeat + 120))
     res = run_loop(measure(args))
-    runs = {m: summarize(m, [r for r in res["runs"] if r["mode"] == m], args.interval, args.codec)
-            for m in args.modes}
+    runs = {m: summarize(m, [r for r in res["runs"] if r["mode"] == m], args.interval, args.codec) for m in args.modes}
     out: dict[str, Any] = {"setup": res["setup"]}
     if "pool" in runs:
         p = runs["pool"]
-        out.update({"payload_bytes": p["payload_bytes"], "codec": args.codec,
-                    "transfer_decode_s": p["transfer_decode_s"], "max_gap_s": p["max_gap_s"],
-                    "p99_gap_s": p["p99_gap_s"], "interval_s": args.interval, "ok": p["ok"]})
+        out.update(
+            {
+                "payload_bytes": p["payload_bytes"],
+                "codec": args.codec,
+                "transfer_decode_s": p["transfer_decode_s"],
+                "max_gap_s": p["max_gap_s"],
+                "p99_gap_s": p["p99_gap_s"],
+                "interval_s": args.interval,
+                "ok": p["ok"],
+            }
+        )
     if "loop" in runs:
         q = runs["loop"]
-        out["contrast_decode_on_loop"] = {k: q[k] for k in ("transfer_decode_s", "max_gap_s", "p99_gap_s",
-                                                           "heartbeat_store_max_gap_s", "probe_max_gap_s", "ok")}
+        out["contrast_decode_on_loop"] = {
+            k: q[k]
+            for k in (
+                "transfer_decode_s",
+                "max_gap_s",
+                "p99_gap_s",
+                "heartbeat_store_max_gap_s",
+                "probe_max_gap_s",
+                "ok",
+            )
+        }
     out.update(runs)
     for mode, r in runs.items():
-        print(f"{mode:>4}: {r['payload_bytes'] / 2**20:.0f} MiB {r['codec']} x{r['repetitions']}, "
-              f"{r['transfer_decode_s']:.2f} s each (median); ticker every {r['interval_s']} s: max gap "
-              f"{r['max_gap_s']:.3f} s, p99 {r['p99_gap_s']:.3f} s; heartbeat store max gap "
-              f"{r['heartbeat_store_max_gap_s']:.3f} s; 10 ms probe max {r['probe_max_gap_s']:.3f} s, "
-              f"p99 {r['probe_p99_gap_s']:.3f} s; ok={r['ok']}")
+        print(
+            f"{mode:>4}: {r['payload_bytes'] / 2**20:.0f} MiB {r['codec']} x{r['repetitions']}, "
+            f"{r['transfer_decode_s']:.2f} s each (median); ticker every {r['interval_s']} s: max gap "
+            f"{r['max_gap_s']:.3f} s, p99 {r['p99_gap_s']:.3f} s; heartbeat store max gap "
+            f"{r['heartbeat_store_max_gap_s']:.3f} s; 10 ms probe max {r['probe_max_gap_s']:.3f} s, "
+            f"p99 {r['probe_p99_gap_s']:.3f} s; ok={r['ok']}"
+        )
     args.out.parent.mkdir(exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")

@@ -29,9 +29,7 @@ draw rule, same 125M scaling; no deadlines fire (checked: the replay counts them
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import resource
 import sys
 import time
@@ -70,8 +68,14 @@ def write_atomic(path: Path, obj: Any) -> None:
 def scaled_network(workers: int, k: float, step_s: float) -> Any:
     from locomm.sim import NetworkModel
 
-    return NetworkModel.build(workers, link_bps=NET["link_bps"] / k, latency_s=NET["latency_s"],
-                              heterogeneity=NET["heterogeneity"], step_s=step_s * k, seed=0)
+    return NetworkModel.build(
+        workers,
+        link_bps=NET["link_bps"] / k,
+        latency_s=NET["latency_s"],
+        heterogeneity=NET["heterogeneity"],
+        step_s=step_s * k,
+        seed=0,
+    )
 
 
 def run_one(name: str, workers: int, splits: Any, rounds: int) -> dict[str, Any]:
@@ -93,15 +97,31 @@ def run_one(name: str, workers: int, splits: Any, rounds: int) -> dict[str, Any]
     res = sim.run(rounds)
     tl = res.timeline
     util = tl.compute_utilisation()
-    return {"name": name, "algo": algo, "params": kw, "setting": why, "workers": workers, "rounds": rounds,
-            "seed": SEED, "scaled_params": SCALED_PARAMS, "network": NET, "network_changes": net_changes,
-            "final_val_loss": res.final_val_loss, "steps": res.steps, "val_loss": res.val_loss,
-            "curve_s": res.curve_times(res.round_done), "round_done": res.round_done, "wall_s": tl.wall(),
-            "compute_utilisation_mean": sum(util) / len(util), "compute_utilisation_min": min(util),
-            "partners_skipped": tl.skipped, "transfers_cut": tl.cut,
-            "bytes_sent_per_worker_nano": sum(res.bytes_sent) / workers,
-            "real_s": time.perf_counter() - t0,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "name": name,
+        "algo": algo,
+        "params": kw,
+        "setting": why,
+        "workers": workers,
+        "rounds": rounds,
+        "seed": SEED,
+        "scaled_params": SCALED_PARAMS,
+        "network": NET,
+        "network_changes": net_changes,
+        "final_val_loss": res.final_val_loss,
+        "steps": res.steps,
+        "val_loss": res.val_loss,
+        "curve_s": res.curve_times(res.round_done),
+        "round_done": res.round_done,
+        "wall_s": tl.wall(),
+        "compute_utilisation_mean": sum(util) / len(util),
+        "compute_utilisation_min": min(util),
+        "partners_skipped": tl.skipped,
+        "transfers_cut": tl.cut,
+        "bytes_sent_per_worker_nano": sum(res.bytes_sent) / workers,
+        "real_s": time.perf_counter() - t0,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def cmd_run(a: argparse.Namespace) -> None:
@@ -118,13 +138,24 @@ def cmd_run(a: argparse.Namespace) -> None:
                 continue
             r = run_one(name, workers, splits, a.rounds)
             write_atomic(path, r)
-            print(f"{name:22s} x{workers:<3d} val {r['final_val_loss']:.4f} wall {r['wall_s']:.0f} s "
-                  f"util {100 * r['compute_utilisation_mean']:.0f}% skipped {r['partners_skipped']} "
-                  f"({r['real_s']:.0f} s real, {r['peak_rss_mb']:.0f} MB)", flush=True)
+            print(
+                f"{name:22s} x{workers:<3d} val {r['final_val_loss']:.4f} wall {r['wall_s']:.0f} s "
+                f"util {100 * r['compute_utilisation_mean']:.0f}% skipped {r['partners_skipped']} "
+                f"({r['real_s']:.0f} s real, {r['peak_rss_mb']:.0f} MB)",
+                flush=True,
+            )
 
 
-def replay_one(algo: str, workers: int, rounds: int, nano_bytes: float, raw: float, step_s: float, k: float,
-               sized_timeout: bool = True) -> dict[str, Any]:
+def replay_one(
+    algo: str,
+    workers: int,
+    rounds: int,
+    nano_bytes: float,
+    raw: float,
+    step_s: float,
+    k: float,
+    sized_timeout: bool = True,
+) -> dict[str, Any]:
     from locomm.protocol.schedule import group_of, noloco_groups
     from locomm.sim.network import RoundRecord, round_done
     from locomm.sim.timeline import Deadlines, replay_schedule
@@ -135,24 +166,49 @@ def replay_one(algo: str, workers: int, rounds: int, nano_bytes: float, raw: flo
         if algo == "noloco":
             groups = noloco_groups(r, members, 2, 0)
             peers = {w: [g for g in group_of(w, groups) if g != w] for w in members}
-            recs.append(RoundRecord(steps=tune.H, bytes_sent={w: nano_bytes for w in members}, kind="direct",
-                                    peers=peers, members=members, raw_bytes={w: raw for w in members}))
+            recs.append(
+                RoundRecord(
+                    steps=tune.H,
+                    bytes_sent={w: nano_bytes for w in members},
+                    kind="direct",
+                    peers=peers,
+                    members=members,
+                    raw_bytes={w: raw for w in members},
+                )
+            )
         else:
-            recs.append(RoundRecord(steps=tune.H, bytes_sent={w: nano_bytes for w in members}, kind="butterfly",
-                                    peers={}, members=members))
+            recs.append(
+                RoundRecord(
+                    steps=tune.H,
+                    bytes_sent={w: nano_bytes for w in members},
+                    kind="butterfly",
+                    peers={},
+                    members=members,
+                )
+            )
     net = scaled_network(workers, k, step_s)
     from locomm.config import NetworkConfig
 
     cfg = NetworkConfig()
     dl = Deadlines.from_config(cfg)
-    dl = Deadlines(stall_timeout_s=dl.stall_timeout_s, min_rate_Bps=dl.min_rate_Bps / k, rate_window_s=dl.rate_window_s,
-                   max_wait_s=dl.max_wait_s,
-                   request_timeout_s=3600.0 if algo == "diloco" and sized_timeout else dl.request_timeout_s)
+    dl = Deadlines(
+        stall_timeout_s=dl.stall_timeout_s,
+        min_rate_Bps=dl.min_rate_Bps / k,
+        rate_window_s=dl.rate_window_s,
+        max_wait_s=dl.max_wait_s,
+        request_timeout_s=3600.0 if algo == "diloco" and sized_timeout else dl.request_timeout_s,
+    )
     tl, mismatches = replay_schedule(recs, net, workers, overlap=True, deadlines=dl)
     util = tl.compute_utilisation()
-    return {"round_done": round_done(tl, True), "wall_s": tl.wall(), "mismatches": mismatches,
-            "partners_skipped": tl.skipped, "transfers_cut": tl.cut,
-            "compute_utilisation_mean": sum(util) / len(util), "compute_utilisation_min": min(util)}
+    return {
+        "round_done": round_done(tl, True),
+        "wall_s": tl.wall(),
+        "mismatches": mismatches,
+        "partners_skipped": tl.skipped,
+        "transfers_cut": tl.cut,
+        "compute_utilisation_mean": sum(util) / len(util),
+        "compute_utilisation_min": min(util),
+    }
 
 
 def cmd_replay(a: argparse.Namespace) -> None:
@@ -174,12 +230,23 @@ def cmd_replay(a: argparse.Namespace) -> None:
             b = base.get(name)
             nano_bytes = raw if algo == "diloco" else (b["bytes_sent_per_worker_nano"] / b["rounds"] if b else raw)
             r = replay_one(algo, workers, a.rounds, nano_bytes, raw, step_s, k, sized_timeout=name != "diloco")
-            r.update({"name": name, "workers": workers, "rounds": a.rounds, "bytes_per_push_nano": nano_bytes,
-                      "loss_curve_from": "w64" if b else None,
-                      "val_loss": b["val_loss"] if b else None, "steps": b["steps"] if b else None})
+            r.update(
+                {
+                    "name": name,
+                    "workers": workers,
+                    "rounds": a.rounds,
+                    "bytes_per_push_nano": nano_bytes,
+                    "loss_curve_from": "w64" if b else None,
+                    "val_loss": b["val_loss"] if b else None,
+                    "steps": b["steps"] if b else None,
+                }
+            )
             write_atomic(path, r)
-            print(f"replay {name:22s} x{workers:<5d} wall {r['wall_s']:.0f} s util "
-                  f"{100 * r['compute_utilisation_mean']:.0f}% mismatches {r['mismatches']}", flush=True)
+            print(
+                f"replay {name:22s} x{workers:<5d} wall {r['wall_s']:.0f} s util "
+                f"{100 * r['compute_utilisation_mean']:.0f}% mismatches {r['mismatches']}",
+                flush=True,
+            )
 
 
 def ttt(steps: list[int], val: list[float], round_done: list[float], target: float) -> float:
@@ -190,15 +257,21 @@ def ttt(steps: list[int], val: list[float], round_done: list[float], target: flo
 
 
 def cmd_table(a: argparse.Namespace) -> None:
-    print("| workers | run | setting | val loss | vs DiLoCo | t->target (s) | speed-up vs DiLoCo | wall (s) | "
-          "DiLoCo's time to this loss (s) | loss-matched speed-up | compute util. mean / min | partners skipped |")
+    print(
+        "| workers | run | setting | val loss | vs DiLoCo | t->target (s) | speed-up vs DiLoCo | wall (s) | "
+        "DiLoCo's time to this loss (s) | loss-matched speed-up | compute util. mean / min | partners skipped |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for workers in (16, 32, 64, 256, 1024):
         rows = {n: tune.load(OUT / f"w{workers}_{n}.json") for n in RUNS}
         for n in ("noloco", "diloco_sized_timeout"):
             if rows.get(n) is None and (rp := tune.load(OUT / f"replay_w{workers}_{n}.json")) is not None:
-                rows[n] = {**rp, "final_val_loss": rp["val_loss"][-1] if rp.get("val_loss") else math.nan,
-                           "setting": "replay of the 64-worker curve", "partners_skipped": rp["mismatches"]}
+                rows[n] = {
+                    **rp,
+                    "final_val_loss": rp["val_loss"][-1] if rp.get("val_loss") else math.nan,
+                    "setting": "replay of the 64-worker curve",
+                    "partners_skipped": rp["mismatches"],
+                }
         ref = rows.get("diloco_sized_timeout")
         if ref is None or not ref.get("val_loss"):
             continue
@@ -214,10 +287,12 @@ def cmd_table(a: argparse.Namespace) -> None:
             t_match = ttt(ref["steps"], ref["val_loss"], ref["round_done"], r["final_val_loss"])
             mt = f"{t_match:.0f}" if math.isfinite(t_match) else "-"
             ms = f"{t_match / r['wall_s']:.2f}x" if math.isfinite(t_match) and r["wall_s"] > 0 else "-"
-            print(f"| {workers} | {n} | {r.get('setting', '')} | {r['final_val_loss']:.4f} | {rel:+.1f}% | "
-                  f"{'-' if math.isinf(t) else f'{t:.0f}'} | {sp} | {r['wall_s']:.0f} | {mt} | {ms} | "
-                  f"{100 * r['compute_utilisation_mean']:.0f}% / {100 * r['compute_utilisation_min']:.0f}% | "
-                  f"{r.get('partners_skipped', '-')} |")
+            print(
+                f"| {workers} | {n} | {r.get('setting', '')} | {r['final_val_loss']:.4f} | {rel:+.1f}% | "
+                f"{'-' if math.isinf(t) else f'{t:.0f}'} | {sp} | {r['wall_s']:.0f} | {mt} | {ms} | "
+                f"{100 * r['compute_utilisation_mean']:.0f}% / {100 * r['compute_utilisation_min']:.0f}% | "
+                f"{r.get('partners_skipped', '-')} |"
+            )
 
 
 def main() -> None:
@@ -225,8 +300,13 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--workers", type=int, nargs="+", default=[16, 32, 64])
-    r.add_argument("--runs", nargs="+", default=["noloco", "diloco_sized_timeout"], choices=list(RUNS),
-                   help="diloco: DiLoCo under the daemon's byte-sized all-reduce deadline (not run by default)")
+    r.add_argument(
+        "--runs",
+        nargs="+",
+        default=["noloco", "diloco_sized_timeout"],
+        choices=list(RUNS),
+        help="diloco: DiLoCo under the daemon's byte-sized all-reduce deadline (not run by default)",
+    )
     r.add_argument("--rounds", type=int, default=tune.ROUNDS)
     r.add_argument("--threads", type=int, default=1)
     p = sub.add_parser("replay")

@@ -67,13 +67,27 @@ def check(path: Path, goodput: float, overhead_s: float = 0.0) -> dict[str, Any]
     raw = 4.0 * run["params"]  # theta in fp32, the codec's raw_bytes (the ETA's size)
     spec = RunSpec.load(HERE.parent / run["config"]) if (HERE.parent / run["config"]).exists() else RunSpec()
     overlap = True
-    sched = Schedule(net, n, overlap=overlap, apply_delay_steps=spec.outer.apply_delay_steps,
-                     deadlines=Deadlines.from_config(spec.network), round_compute=compute,
-                     round_overhead_s=overhead_s)
+    sched = Schedule(
+        net,
+        n,
+        overlap=overlap,
+        apply_delay_steps=spec.outer.apply_delay_steps,
+        deadlines=Deadlines.from_config(spec.network),
+        round_compute=compute,
+        round_overhead_s=overhead_s,
+    )
     for r in range(rounds):
         partners = {w: [ids.index(p) for p in ev[w][r]["partners"]] for w in range(n)}
-        sched.step(RoundRecord(steps=run["inner_steps"], bytes_sent={w: push for w in range(n)}, kind="direct",
-                               peers=partners, members=list(range(n)), raw_bytes={w: raw for w in range(n)}))
+        sched.step(
+            RoundRecord(
+                steps=run["inner_steps"],
+                bytes_sent={w: push for w in range(n)},
+                kind="direct",
+                peers=partners,
+                members=list(range(n)),
+                raw_bytes={w: raw for w in range(n)},
+            )
+        )
     tl = sched.tl
     rows = []
     for w in range(n):
@@ -85,22 +99,49 @@ def check(path: Path, goodput: float, overhead_s: float = 0.0) -> dict[str, Any]
         fin = next(e for e in peers[w]["other_events"] if e["event"] == "finished")
         real_last_wait = fin["wait_s"] - real_wait[-1]  # the last exchange, drained after the last round
         sim_last_wait = tl.ends[-1][w] - tl.plans[-1][w]
-        sim_wait = [max(0.0, tl.plans[r][w] - (tl.plans[r - 1][w] + compute[r][w])) if r else 0.0
-                    for r in range(rounds)]
-        rows.append({"peer": w, "real_round_s": real_d, "sim_round_s": sim_d,
-                     "round_err": [s / r - 1 for s, r in zip(sim_d, real_d)],
-                     "real_wait_cum_s": real_wait, "sim_wait_s": sim_wait,
-                     "real_last_exchange_wait_s": real_last_wait, "sim_last_exchange_wait_s": sim_last_wait,
-                     "real_wall_at_last_round_s": real_t[-1], "sim_wall_at_last_round_s": sim_t[-1],
-                     "real_end_s": real_t[-1] + real_last_wait, "sim_end_s": tl.ends[-1][w]})
+        sim_wait = [
+            max(0.0, tl.plans[r][w] - (tl.plans[r - 1][w] + compute[r][w])) if r else 0.0 for r in range(rounds)
+        ]
+        rows.append(
+            {
+                "peer": w,
+                "real_round_s": real_d,
+                "sim_round_s": sim_d,
+                "round_err": [s / r - 1 for s, r in zip(sim_d, real_d)],
+                "real_wait_cum_s": real_wait,
+                "sim_wait_s": sim_wait,
+                "real_last_exchange_wait_s": real_last_wait,
+                "sim_last_exchange_wait_s": sim_last_wait,
+                "real_wall_at_last_round_s": real_t[-1],
+                "sim_wall_at_last_round_s": sim_t[-1],
+                "real_end_s": real_t[-1] + real_last_wait,
+                "sim_end_s": tl.ends[-1][w],
+            }
+        )
     errs = [abs(e) for row in rows for e in row["round_err"][1:]]  # round 1 has no exchange in it
-    last = [row["sim_last_exchange_wait_s"] / row["real_last_exchange_wait_s"] - 1 for row in rows
-            if row["real_last_exchange_wait_s"] > 1.0]
+    last = [
+        row["sim_last_exchange_wait_s"] / row["real_last_exchange_wait_s"] - 1
+        for row in rows
+        if row["real_last_exchange_wait_s"] > 1.0
+    ]
     end = [row["sim_end_s"] / row["real_end_s"] - 1 for row in rows]
-    return {"file": str(path.relative_to(HERE.parent)), "rate": run["rate"], "peers": n, "rounds": rounds,
-            "goodput_factor": goodput, "round_overhead_s": overhead_s, "bytes_per_push": push, "latency_s": LATENCY_S,
-            "mean_abs_round_err": statistics.fmean(errs) if errs else None, "max_abs_round_err": max(errs, default=None),
-            "last_exchange_err": last, "end_err": end, "skipped": tl.skipped, "cut": tl.cut, "per_peer": rows}
+    return {
+        "file": str(path.relative_to(HERE.parent)),
+        "rate": run["rate"],
+        "peers": n,
+        "rounds": rounds,
+        "goodput_factor": goodput,
+        "round_overhead_s": overhead_s,
+        "bytes_per_push": push,
+        "latency_s": LATENCY_S,
+        "mean_abs_round_err": statistics.fmean(errs) if errs else None,
+        "max_abs_round_err": max(errs, default=None),
+        "last_exchange_err": last,
+        "end_err": end,
+        "skipped": tl.skipped,
+        "cut": tl.cut,
+        "per_peer": rows,
+    }
 
 
 def main() -> None:
@@ -120,14 +161,18 @@ def main() -> None:
         print(f"{c['file']}: {c['peers']} peers, {c['rounds']} rounds, rate {c['rate']}, goodput x{a.goodput}")
         for row in c["per_peer"]:
             rr = " ".join(f"{r:5.1f}/{s:5.1f}" for r, s in zip(row["real_round_s"], row["sim_round_s"]))
-            print(f"  peer {row['peer']}: round s real/sim {rr} | last exchange wait real "
-                  f"{row['real_last_exchange_wait_s']:.1f} sim {row['sim_last_exchange_wait_s']:.1f} | "
-                  f"end real {row['real_end_s']:.1f} sim {row['sim_end_s']:.1f}")
+            print(
+                f"  peer {row['peer']}: round s real/sim {rr} | last exchange wait real "
+                f"{row['real_last_exchange_wait_s']:.1f} sim {row['sim_last_exchange_wait_s']:.1f} | "
+                f"end real {row['real_end_s']:.1f} sim {row['sim_end_s']:.1f}"
+            )
         le = ", ".join(f"{100 * e:+.0f}%" for e in c["last_exchange_err"])
         en = ", ".join(f"{100 * e:+.1f}%" for e in c["end_err"])
-        print(f"  per-round time error (rounds 2+): mean {100 * (c['mean_abs_round_err'] or 0):.1f}%, max "
-              f"{100 * (c['max_abs_round_err'] or 0):.1f}%; last exchange wait: {le}; end: {en}; "
-              f"skipped {c['skipped']}, cut {c['cut']}")
+        print(
+            f"  per-round time error (rounds 2+): mean {100 * (c['mean_abs_round_err'] or 0):.1f}%, max "
+            f"{100 * (c['max_abs_round_err'] or 0):.1f}%; last exchange wait: {le}; end: {en}; "
+            f"skipped {c['skipped']}, cut {c['cut']}"
+        )
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = a.out.with_suffix(f".tmp{os.getpid()}")

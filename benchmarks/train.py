@@ -23,8 +23,11 @@ HERE = Path(__file__).resolve().parent
 
 def run(args: list[str]) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "locomm.cli.main", "train", *args, "--device", "cpu", "--json"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "locomm.cli.main", "train", *args, "--device", "cpu", "--json"],
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"locomm-peer train {' '.join(args)} failed:\n{proc.stderr}")
@@ -55,13 +58,17 @@ def main() -> None:
     if a.only in (None, "tiny"):
         steps = tiny_steps_for(a.tiny_seconds)
         rows.append(("tiny", run(["--preset", "tiny", "--steps", str(steps)])))
-    print(f"{'preset':8} {'steps':>6} {'wall s':>7} {'val nats/B':>10} {'bits/B':>7} {'unigram':>8} "
-          f"{'vs unigram':>10} {'tok/s':>8} {'RSS MB':>7}")
+    print(
+        f"{'preset':8} {'steps':>6} {'wall s':>7} {'val nats/B':>10} {'bits/B':>7} {'unigram':>8} "
+        f"{'vs unigram':>10} {'tok/s':>8} {'RSS MB':>7}"
+    )
     for name, r in rows:
-        print(f"{name:8} {r['steps']:6d} {r['process_wall_s']:7.1f} {r['val_loss']:10.4f} "
-              f"{r['val_bits_per_byte']:7.3f} {r['unigram_nats']:8.4f} "
-              f"{100 * (1 - r['val_loss'] / r['unigram_nats']):9.1f}% {r['tokens_per_s']:8.0f} "
-              f"{r['peak_rss_mb']:7.0f}")
+        print(
+            f"{name:8} {r['steps']:6d} {r['process_wall_s']:7.1f} {r['val_loss']:10.4f} "
+            f"{r['val_bits_per_byte']:7.3f} {r['unigram_nats']:8.4f} "
+            f"{100 * (1 - r['val_loss'] / r['unigram_nats']):9.1f}% {r['tokens_per_s']:8.0f} "
+            f"{r['peak_rss_mb']:7.0f}"
+        )
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "train.json").write_text(json.dumps(dict(rows), indent=2))
     print(json.dumps({name: r for name, r in rows}))

@@ -64,17 +64,25 @@ TFLOPS = 10.0
 def grid(algo: str) -> list[dict[str, float]]:
     """The algorithm's 12 points, its documented default first, the rest in a fixed shuffled order."""
     if algo == "diloco":
-        pts, default = [dict(lr=a, momentum=m) for a, m in itertools.product((0.3, 0.5, 0.7, 1.0), (0.0, 0.5, 0.9))], \
-            dict(lr=0.7, momentum=0.9)
+        pts, default = (
+            [dict(lr=a, momentum=m) for a, m in itertools.product((0.3, 0.5, 0.7, 1.0), (0.0, 0.5, 0.9))],
+            dict(lr=0.7, momentum=0.9),
+        )
     elif algo == "noloco":
-        pts, default = [dict(lr=a, noloco_beta=b) for a, b in itertools.product((0.3, 0.5, 0.7, 1.0), (0.0, 0.5, 0.9))], \
-            dict(lr=0.7, noloco_beta=0.5)
+        pts, default = (
+            [dict(lr=a, noloco_beta=b) for a, b in itertools.product((0.3, 0.5, 0.7, 1.0), (0.0, 0.5, 0.9))],
+            dict(lr=0.7, noloco_beta=0.5),
+        )
     elif algo == "gasloc":
-        pts, default = [dict(lr=e, gasloc_gamma=g) for e, g in itertools.product((0.5, 0.7, 1.0), (0.0, 0.3, 0.6, 0.9))], \
-            dict(lr=0.7, gasloc_gamma=0.0)
+        pts, default = (
+            [dict(lr=e, gasloc_gamma=g) for e, g in itertools.product((0.5, 0.7, 1.0), (0.0, 0.3, 0.6, 0.9))],
+            dict(lr=0.7, gasloc_gamma=0.0),
+        )
     elif algo == "sparseloco":
-        pts = [dict(sparse_lr=a, sparse_density=d, sparse_ef_beta=b)
-               for a, d, b in itertools.product((1.0, 3.0, 9.0), (0.02, 0.03), (0.9, 0.95))]
+        pts = [
+            dict(sparse_lr=a, sparse_density=d, sparse_ef_beta=b)
+            for a, d, b in itertools.product((1.0, 3.0, 9.0), (0.02, 0.03), (0.9, 0.95))
+        ]
         default = dict(sparse_lr=1.0, sparse_density=0.02, sparse_ef_beta=0.95)
     else:
         raise ValueError(algo)
@@ -94,8 +102,12 @@ def point_name(kw: dict[str, Any]) -> str:
 def base_spec(seed: int) -> Any:
     from locomm.config import RunSpec
 
-    return (RunSpec.preset("nano").replace("data", batch_size=8, seq_len=128)
-            .replace("outer", inner_steps=H).replace("train", steps=ROUNDS * H, seed=seed, eval_batches=8))
+    return (
+        RunSpec.preset("nano")
+        .replace("data", batch_size=8, seq_len=128)
+        .replace("outer", inner_steps=H)
+        .replace("train", steps=ROUNDS * H, seed=seed, eval_batches=8)
+    )
 
 
 def write_atomic(path: Path, obj: Any) -> None:
@@ -105,8 +117,9 @@ def write_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def run_point(algo: str, kw: dict[str, Any], seed: int, splits: Any, *, workers: int = WORKERS,
-              eval_every: int = ROUNDS) -> dict[str, Any]:
+def run_point(
+    algo: str, kw: dict[str, Any], seed: int, splits: Any, *, workers: int = WORKERS, eval_every: int = ROUNDS
+) -> dict[str, Any]:
     from locomm.sim import Simulator, network_for
     from locomm.sim.network import flops_step_s
 
@@ -116,24 +129,48 @@ def run_point(algo: str, kw: dict[str, Any], seed: int, splits: Any, *, workers:
     try:
         res = sim.run(ROUNDS)
     except FloatingPointError as e:  # a diverged point is a result: the worst score
-        return {"algo": algo, "params": kw, "seed": seed, "workers": workers, "rounds": ROUNDS, "inner_steps": H,
-                "diverged": str(e), "final_val_loss": math.inf, "bytes_sent_per_worker": math.nan,
-                "real_s": time.perf_counter() - t0, "timelines": {}}
+        return {
+            "algo": algo,
+            "params": kw,
+            "seed": seed,
+            "workers": workers,
+            "rounds": ROUNDS,
+            "inner_steps": H,
+            "diverged": str(e),
+            "final_val_loss": math.inf,
+            "bytes_sent_per_worker": math.nan,
+            "real_s": time.perf_counter() - t0,
+            "timelines": {},
+        }
     params = sim.trainers[0].model.num_parameters()
     step_s = flops_step_s(params, sim.trainers[0].tokens_per_step, TFLOPS)
     out: dict[str, Any] = {
-        "algo": algo, "params": kw, "seed": seed, "workers": workers, "rounds": ROUNDS, "inner_steps": H,
-        "tokens_per_worker": ROUNDS * H * spec.data.batch_size * spec.data.seq_len, "overlap": res.overlap,
-        "final_val_loss": res.final_val_loss, "final_val_spread": res.val_spread[-1],
-        "steps": res.steps, "val_loss": res.val_loss,
-        "bytes_sent_per_worker": sum(res.bytes_sent) / workers, "max_weight_distance": sim.weight_distance(),
-        "real_s": time.perf_counter() - t0, "timelines": {}}
+        "algo": algo,
+        "params": kw,
+        "seed": seed,
+        "workers": workers,
+        "rounds": ROUNDS,
+        "inner_steps": H,
+        "tokens_per_worker": ROUNDS * H * spec.data.batch_size * spec.data.seq_len,
+        "overlap": res.overlap,
+        "final_val_loss": res.final_val_loss,
+        "final_val_spread": res.val_spread[-1],
+        "steps": res.steps,
+        "val_loss": res.val_loss,
+        "bytes_sent_per_worker": sum(res.bytes_sent) / workers,
+        "max_weight_distance": sim.weight_distance(),
+        "real_s": time.perf_counter() - t0,
+        "timelines": {},
+    }
     for name, net in NETWORKS.items():
         run = network_for(res, step_s=step_s, seed=0, **net)
-        out["timelines"][f"{name}/nano"] = {"wall_s": run.wall_s, "round_done": run.round_done,
-                                            "compute_utilisation_mean": run.utilisation_mean,
-                                            "compute_utilisation_min": run.utilisation_min,
-                                            "deadline_mismatches": run.mismatches}
+        out["timelines"][f"{name}/nano"] = {
+            "wall_s": run.wall_s,
+            "round_done": run.round_done,
+            "compute_utilisation_mean": run.utilisation_mean,
+            "compute_utilisation_min": run.utilisation_min,
+            "deadline_mismatches": run.mismatches,
+        }
     return out
 
 
@@ -187,8 +224,7 @@ def cmd_run(a: argparse.Namespace) -> None:
             continue
         r = run_point(algo, kw, TUNE_SEED, splits)
         write_atomic(path, r)
-        print(f"sweep {algo:10s} {point_name(kw):45s} val {r['final_val_loss']:.4f} ({r['real_s']:.0f} s)",
-              flush=True)
+        print(f"sweep {algo:10s} {point_name(kw):45s} val {r['final_val_loss']:.4f} ({r['real_s']:.0f} s)", flush=True)
     for entry, (algo, where) in ENTRIES.items():
         if algo not in a.algos:
             continue
@@ -201,8 +237,11 @@ def cmd_run(a: argparse.Namespace) -> None:
                 continue
             r = run_point(algo, b["params"], seed, splits, eval_every=5)
             write_atomic(path, r)
-            print(f"confirm {entry:32s} seed {seed} {point_name(b['params'])} val {r['final_val_loss']:.4f} "
-                  f"({r['real_s']:.0f} s)", flush=True)
+            print(
+                f"confirm {entry:32s} seed {seed} {point_name(b['params'])} val {r['final_val_loss']:.4f} "
+                f"({r['real_s']:.0f} s)",
+                flush=True,
+            )
 
 
 def table_rows() -> list[dict[str, Any]]:
@@ -216,30 +255,42 @@ def table_rows() -> list[dict[str, Any]]:
         seeds = [load(confirm_path(algo, b["params"], s)) for s in CONFIRM_SEEDS]
         seeds = [s for s in seeds if s is not None]
         others = [s["final_val_loss"] for s in seeds]
-        rows.append({"entry": entry, "algo": algo, "points_run": len(swept), "best": b["params"],
-                     "tune_val_loss": b["final_val_loss"], "confirm_seeds": [s["seed"] for s in seeds],
-                     "confirm_val_loss": others,
-                     "confirm_mean": statistics.fmean(others) if others else None,
-                     "confirm_spread": (max(others) - min(others)) if len(others) > 1 else None,
-                     "bytes_sent_per_worker": b["bytes_sent_per_worker"],
-                     "util_80mbit_het": b["timelines"]["80mbit_het/nano"]["compute_utilisation_mean"],
-                     "default_val_loss": next((r["final_val_loss"] for r in swept if r["params"] == grid(algo)[0]),
-                                              None)})
+        rows.append(
+            {
+                "entry": entry,
+                "algo": algo,
+                "points_run": len(swept),
+                "best": b["params"],
+                "tune_val_loss": b["final_val_loss"],
+                "confirm_seeds": [s["seed"] for s in seeds],
+                "confirm_val_loss": others,
+                "confirm_mean": statistics.fmean(others) if others else None,
+                "confirm_spread": (max(others) - min(others)) if len(others) > 1 else None,
+                "bytes_sent_per_worker": b["bytes_sent_per_worker"],
+                "util_80mbit_het": b["timelines"]["80mbit_het/nano"]["compute_utilisation_mean"],
+                "default_val_loss": next((r["final_val_loss"] for r in swept if r["params"] == grid(algo)[0]), None),
+            }
+        )
     return rows
 
 
 def cmd_table(a: argparse.Namespace) -> None:
     rows = table_rows()
     ref = next((r for r in rows if r["entry"] == "DiLoCo" and "best" in r), None)
-    print("| algorithm | points run | best setting (seed 1) | val, seed 1 | val, seeds 2-3 (mean ± half-range) | "
-          "vs DiLoCo (seeds 2-3) | at the default | MB sent/worker | compute util. 80M het |")
+    print(
+        "| algorithm | points run | best setting (seed 1) | val, seed 1 | val, seeds 2-3 (mean ± half-range) | "
+        "vs DiLoCo (seeds 2-3) | at the default | MB sent/worker | compute util. 80M het |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "best" not in r:
             print(f"| {r['entry']} | {r['points_run']}/12 | - | - | - | - | - | - | - |")
             continue
-        conf = (f"{r['confirm_mean']:.4f} ± {r['confirm_spread'] / 2:.4f}" if r["confirm_spread"] is not None
-                else (f"{r['confirm_val_loss'][0]:.4f} (1 seed)" if r["confirm_val_loss"] else "not run"))
+        conf = (
+            f"{r['confirm_mean']:.4f} ± {r['confirm_spread'] / 2:.4f}"
+            if r["confirm_spread"] is not None
+            else (f"{r['confirm_val_loss'][0]:.4f} (1 seed)" if r["confirm_val_loss"] else "not run")
+        )
         rel = "-"
         if ref is not None and r["confirm_mean"] is not None and ref.get("confirm_mean"):
             rel = f"{100 * (r['confirm_mean'] / ref['confirm_mean'] - 1):+.1f}%"
@@ -247,8 +298,10 @@ def cmd_table(a: argparse.Namespace) -> None:
             rel = f"{100 * (r['tune_val_loss'] / ref['tune_val_loss'] - 1):+.1f}% (seed 1)"
         setting = ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in r["best"].items())
         dflt = f"{r['default_val_loss']:.4f}" if r["default_val_loss"] is not None else "-"
-        print(f"| {r['entry']} | {r['points_run']}/12 | {setting} | {r['tune_val_loss']:.4f} | {conf} | {rel} | "
-              f"{dflt} | {r['bytes_sent_per_worker'] / 1e6:.2f} | {100 * r['util_80mbit_het']:.0f}% |")
+        print(
+            f"| {r['entry']} | {r['points_run']}/12 | {setting} | {r['tune_val_loss']:.4f} | {conf} | {rel} | "
+            f"{dflt} | {r['bytes_sent_per_worker'] / 1e6:.2f} | {100 * r['util_80mbit_het']:.0f}% |"
+        )
     if a.json:
         write_atomic(OUT / "table.json", rows)
 
@@ -288,8 +341,11 @@ def cmd_aggregation(a: argparse.Namespace) -> None:
         if not path.exists():
             write_atomic(path, run_point(algo, kw, TUNE_SEED, splits, workers=workers))
         r = load(path)
-        print(f"{algo:10s} {point_name(kw):70s} x{workers:<3d} val {r['final_val_loss']:.4f}  "
-              f"{r['bytes_sent_per_worker'] / 1e6:.3f} MB/worker", flush=True)
+        print(
+            f"{algo:10s} {point_name(kw):70s} x{workers:<3d} val {r['final_val_loss']:.4f}  "
+            f"{r['bytes_sent_per_worker'] / 1e6:.3f} MB/worker",
+            flush=True,
+        )
 
 
 def cmd_norms(a: argparse.Namespace) -> None:
@@ -314,14 +370,22 @@ def cmd_norms(a: argparse.Namespace) -> None:
             count = torch.stack([(x != 0).float() for x in sent]).sum(0)
             senders = total / count.clamp(min=1)
             every = total / R
-            rows.append({"agreement": c, "R": R, "senders_over_dense": float(senders.norm() / dense.norm()),
-                         "all_over_dense": float(every.norm() / dense.norm()),
-                         "senders_over_all": float(senders.norm() / every.norm()),
-                         "indices_sent_by_one": float((count == 1).sum() / (count > 0).sum())})
+            rows.append(
+                {
+                    "agreement": c,
+                    "R": R,
+                    "senders_over_dense": float(senders.norm() / dense.norm()),
+                    "all_over_dense": float(every.norm() / dense.norm()),
+                    "senders_over_all": float(senders.norm() / every.norm()),
+                    "indices_sent_by_one": float((count == 1).sum() / (count > 0).sum()),
+                }
+            )
             r = rows[-1]
-            print(f"agreement {c:.1f} R {R:2d}: |senders| / |dense| {r['senders_over_dense']:.3f}, "
-                  f"|all| / |dense| {r['all_over_dense']:.3f}, senders / all {r['senders_over_all']:.2f}, "
-                  f"indices sent by one worker {100 * r['indices_sent_by_one']:.0f}%")
+            print(
+                f"agreement {c:.1f} R {R:2d}: |senders| / |dense| {r['senders_over_dense']:.3f}, "
+                f"|all| / |dense| {r['all_over_dense']:.3f}, senders / all {r['senders_over_all']:.2f}, "
+                f"indices sent by one worker {100 * r['indices_sent_by_one']:.0f}%"
+            )
     write_atomic(OUT / "aggregation" / "norms.json", rows)
 
 

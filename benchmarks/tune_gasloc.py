@@ -26,12 +26,18 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
-    spec = (RunSpec.preset("nano").replace("data", batch_size=8, seq_len=128)
-            .replace("outer", inner_steps=20).replace("train", steps=200, seed=1, eval_batches=8))
+    spec = (
+        RunSpec.preset("nano")
+        .replace("data", batch_size=8, seq_len=128)
+        .replace("outer", inner_steps=20)
+        .replace("train", steps=200, seed=1, eval_batches=8)
+    )
     splits = load_corpus(spec.data)
     rows = []
-    runs = [("diloco", {})] + [("gasloc", dict(lr=eta, gasloc_mix=a, gasloc_gamma=g))
-                               for eta, a, g in itertools.product((0.7, 1.0), (0.5,), (0.0, 0.5, 0.9))]
+    runs = [("diloco", {})] + [
+        ("gasloc", dict(lr=eta, gasloc_mix=a, gasloc_gamma=g))
+        for eta, a, g in itertools.product((0.7, 1.0), (0.5,), (0.0, 0.5, 0.9))
+    ]
     for algo, kw in runs:
         sim = Simulator(spec.replace("outer", algo=algo, **kw), 4, splits=splits)
         res = sim.run(10)

@@ -92,8 +92,12 @@ def load_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
 def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
     tensors = {f"model/{k}": v.detach().cpu().contiguous() for k, v in ckpt.model.items()}
     tensors.update({f"aux/{k}": v.detach().cpu().contiguous().clone() for k, v in ckpt.aux.items()})
-    meta: dict[str, Any] = {"format": FORMAT_VERSION, "step": ckpt.step, "spec_hash": ckpt.spec_hash,
-                            "extra": ckpt.extra}
+    meta: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "step": ckpt.step,
+        "spec_hash": ckpt.spec_hash,
+        "extra": ckpt.extra,
+    }
     if ckpt.optimizer is not None:
         scalars: dict[str, dict[str, Any]] = {}
         for idx, state in ckpt.optimizer["state"].items():
@@ -119,8 +123,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unsupported checkpoint format {meta.get('format')!r}")
-    model = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-    aux = {k[len("aux/"):]: v for k, v in tensors.items() if k.startswith("aux/")}
+    model = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
+    aux = {k[len("aux/") :]: v for k, v in tensors.items() if k.startswith("aux/")}
     optimizer = None
     if "optim_groups" in meta:
         state: dict[int, dict[str, Any]] = {}
@@ -131,5 +135,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
         for idx, sc in meta["optim_scalars"].items():
             state.setdefault(int(idx), {}).update(sc)
         optimizer = {"state": state, "param_groups": meta["optim_groups"]}
-    return Checkpoint(step=int(meta["step"]), spec_hash=meta["spec_hash"], model=model, optimizer=optimizer,
-                      extra=meta.get("extra", {}), aux=aux)
+    return Checkpoint(
+        step=int(meta["step"]),
+        spec_hash=meta["spec_hash"],
+        model=model,
+        optimizer=optimizer,
+        extra=meta.get("extra", {}),
+        aux=aux,
+    )

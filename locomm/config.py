@@ -18,9 +18,10 @@ import hashlib
 import json
 import math
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from locomm import PROTOCOL_VERSION
 
@@ -45,7 +46,9 @@ def _fraction(obj: Any, *names: str, closed_low: bool = True, closed_high: bool 
         v = getattr(obj, n)
         lo_ok = v >= 0 if closed_low else v > 0
         hi_ok = v <= 1 if closed_high else v < 1
-        _check(lo_ok and hi_ok, n, f"must be in {'[' if closed_low else '('}0, 1{']' if closed_high else ')'}, got {v!r}")
+        _check(
+            lo_ok and hi_ok, n, f"must be in {'[' if closed_low else '('}0, 1{']' if closed_high else ')'}, got {v!r}"
+        )
 
 
 def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
@@ -95,16 +98,30 @@ class ModelConfig:
     """Standard deviation of the normal weight init."""
 
     def __post_init__(self) -> None:
-        _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len",
-                  "rope_theta", "norm_eps", "init_std")
+        _positive(
+            self,
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "d_ff",
+            "max_seq_len",
+            "rope_theta",
+            "norm_eps",
+            "init_std",
+        )
         _check(self.vocab_size >= 259, "vocab_size", f"must hold 256 bytes + 3 specials, got {self.vocab_size}")
-        _check(self.d_model % self.n_heads == 0, "d_model",
-               f"{self.d_model} is not divisible by n_heads={self.n_heads}")
-        _check((self.d_model // self.n_heads) % 2 == 0, "n_heads",
-               f"head size d_model/n_heads={self.d_model // self.n_heads} must be even for rotary embeddings")
+        _check(
+            self.d_model % self.n_heads == 0, "d_model", f"{self.d_model} is not divisible by n_heads={self.n_heads}"
+        )
+        _check(
+            (self.d_model // self.n_heads) % 2 == 0,
+            "n_heads",
+            f"head size d_model/n_heads={self.d_model // self.n_heads} must be even for rotary embeddings",
+        )
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """The named size preset (nano, tiny, small, base), with optional overrides."""
         if name not in MODEL_PRESETS:
             raise ConfigError(f"model.preset: unknown preset {name!r}; choose from {', '.join(MODEL_PRESETS)}")
@@ -234,8 +251,11 @@ class OuterConfig:
         _choice(self, "gasloc_momentum_on", ("mixed", "unmixed"))
         _choice(self, "sparseloco_aggregation", ("all", "senders"))
         _check(self.inner_steps >= 1, "inner_steps", f"H must be >= 1, got {self.inner_steps}")
-        _check(0 <= self.apply_delay_steps <= self.inner_steps, "apply_delay_steps",
-               f"must be in [0, inner_steps={self.inner_steps}], got {self.apply_delay_steps}")
+        _check(
+            0 <= self.apply_delay_steps <= self.inner_steps,
+            "apply_delay_steps",
+            f"must be in [0, inner_steps={self.inner_steps}], got {self.apply_delay_steps}",
+        )
         _check(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
         _check(self.k_peers >= 1, "k_peers", f"must be >= 1, got {self.k_peers}")
         _positive(self, "lr", "sparse_lr")
@@ -303,12 +323,21 @@ class PipelineConfig:
         object.__setattr__(self, "layers", tuple(self.layers))
         _positive(self, "stages", "micro_batch_size", "in_flight", "stage_timeout_s")
         _check(self.reroute_attempts >= 0, "reroute_attempts", f"must be >= 0, got {self.reroute_attempts}")
-        _check(self.free_tail_layers >= -1, "free_tail_layers",
-               f"must be >= 0, or -1 for the whole last stage; got {self.free_tail_layers}")
-        _check(all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.layers), "layers",
-               f"must be positive integers, got {list(self.layers)}")
-        _check(not self.layers or len(self.layers) == self.stages, "layers",
-               f"gives {len(self.layers)} stages, stages = {self.stages}")
+        _check(
+            self.free_tail_layers >= -1,
+            "free_tail_layers",
+            f"must be >= 0, or -1 for the whole last stage; got {self.free_tail_layers}",
+        )
+        _check(
+            all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.layers),
+            "layers",
+            f"must be positive integers, got {list(self.layers)}",
+        )
+        _check(
+            not self.layers or len(self.layers) == self.stages,
+            "layers",
+            f"gives {len(self.layers)} stages, stages = {self.stages}",
+        )
 
 
 # ------------------------------------------------------------------------- network
@@ -340,12 +369,25 @@ class NetworkConfig:
     max_faults_before_ban: int = 3
 
     def __post_init__(self) -> None:
-        _positive(self, "request_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s", "max_message_mb",
-                  "max_faults_before_ban", "stall_timeout_s", "min_rate_mbit", "rate_window_s", "max_wait_s",
-                  "streams_per_transfer", "parallel_threshold_mb", "max_streams_per_peer")
-        _check(self.streams_per_transfer <= 16, "streams_per_transfer", f"must be <= 16, got {self.streams_per_transfer}")
-        _check(self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s",
-               "must exceed heartbeat_interval_s")
+        _positive(
+            self,
+            "request_timeout_s",
+            "heartbeat_interval_s",
+            "heartbeat_ttl_s",
+            "max_message_mb",
+            "max_faults_before_ban",
+            "stall_timeout_s",
+            "min_rate_mbit",
+            "rate_window_s",
+            "max_wait_s",
+            "streams_per_transfer",
+            "parallel_threshold_mb",
+            "max_streams_per_peer",
+        )
+        _check(
+            self.streams_per_transfer <= 16, "streams_per_transfer", f"must be <= 16, got {self.streams_per_transfer}"
+        )
+        _check(self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s", "must exceed heartbeat_interval_s")
 
 
 # --------------------------------------------------------------------------- train
@@ -369,8 +411,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive(self, "steps", "eval_batches")
         _check(self.eval_interval >= 0, "eval_interval", f"must be >= 0, got {self.eval_interval}")
-        _check(self.checkpoint_interval >= 0, "checkpoint_interval",
-               f"must be >= 0, got {self.checkpoint_interval}")
+        _check(self.checkpoint_interval >= 0, "checkpoint_interval", f"must be >= 0, got {self.checkpoint_interval}")
 
 
 # ------------------------------------------------------------------------ run spec
@@ -404,44 +445,66 @@ class RunSpec:
     SECTIONS: ClassVar[dict[str, type]] = _SECTIONS
 
     def __post_init__(self) -> None:
-        _check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
-               f"{self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        _check(
+            self.data.seq_len <= self.model.max_seq_len,
+            "data.seq_len",
+            f"{self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
         _check(self.train.steps >= 1, "train.steps", "must be >= 1")
         p = self.pipeline
         if p.stages > 1:
-            _check(p.stages <= self.model.n_layers, "pipeline.stages",
-                   f"{p.stages} stages for {self.model.n_layers} layers")
-            _check(not p.layers or sum(p.layers) == self.model.n_layers, "pipeline.layers",
-                   f"sum to {sum(p.layers)}, model.n_layers = {self.model.n_layers}")
-            _check(self.data.batch_size % p.micro_batch_size == 0, "pipeline.micro_batch_size",
-                   f"{p.micro_batch_size} does not divide data.batch_size={self.data.batch_size}")
+            _check(
+                p.stages <= self.model.n_layers,
+                "pipeline.stages",
+                f"{p.stages} stages for {self.model.n_layers} layers",
+            )
+            _check(
+                not p.layers or sum(p.layers) == self.model.n_layers,
+                "pipeline.layers",
+                f"sum to {sum(p.layers)}, model.n_layers = {self.model.n_layers}",
+            )
+            _check(
+                self.data.batch_size % p.micro_batch_size == 0,
+                "pipeline.micro_batch_size",
+                f"{p.micro_batch_size} does not divide data.batch_size={self.data.batch_size}",
+            )
             k = self.model.d_model // self.compression.subspace_rate
-            _check(not p.subspace or k >= 1, "compression.subspace_rate",
-                   f"{self.compression.subspace_rate} leaves no subspace of d_model={self.model.d_model}")
+            _check(
+                not p.subspace or k >= 1,
+                "compression.subspace_rate",
+                f"{self.compression.subspace_rate} leaves no subspace of d_model={self.model.d_model}",
+            )
 
     # -- construction -----------------------------------------------------------
 
     @classmethod
-    def preset(cls, name: str) -> "RunSpec":
+    def preset(cls, name: str) -> RunSpec:
         """A run spec sized for a model preset, with the batch shape that fits it."""
         model = ModelConfig.from_preset(name)
         if name == "nano":
-            return cls(model=model,
-                       data=DataConfig(seq_len=128, batch_size=16, max_corpus_mb=8.0),
-                       inner=InnerOptimConfig(lr=1e-2, warmup_steps=20),
-                       train=TrainConfig(steps=300, eval_interval=100, eval_batches=8))
+            return cls(
+                model=model,
+                data=DataConfig(seq_len=128, batch_size=16, max_corpus_mb=8.0),
+                inner=InnerOptimConfig(lr=1e-2, warmup_steps=20),
+                train=TrainConfig(steps=300, eval_interval=100, eval_batches=8),
+            )
         if name == "tiny":
             # Batch 8 x 256 keeps a CPU run under 1 GB resident and gives more steps per minute.
-            return cls(model=model, data=DataConfig(seq_len=256, batch_size=8),
-                       inner=InnerOptimConfig(lr=2e-3, warmup_steps=50),
-                       train=TrainConfig(steps=500, eval_interval=100))
-        return cls(model=model,
-                   data=DataConfig(seq_len=model.max_seq_len, batch_size=8, max_corpus_mb=256.0),
-                   inner=InnerOptimConfig(lr=6e-4 if name == "small" else 3e-4, warmup_steps=500),
-                   train=TrainConfig(steps=20000, eval_interval=1000, checkpoint_interval=1000))
+            return cls(
+                model=model,
+                data=DataConfig(seq_len=256, batch_size=8),
+                inner=InnerOptimConfig(lr=2e-3, warmup_steps=50),
+                train=TrainConfig(steps=500, eval_interval=100),
+            )
+        return cls(
+            model=model,
+            data=DataConfig(seq_len=model.max_seq_len, batch_size=8, max_corpus_mb=256.0),
+            inner=InnerOptimConfig(lr=6e-4 if name == "small" else 3e-4, warmup_steps=500),
+            train=TrainConfig(steps=20000, eval_interval=1000, checkpoint_interval=1000),
+        )
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RunSpec":
+    def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
         """Build from a nested mapping (a parsed TOML file); unknown keys are errors.
 
         A ``[model]`` table may name ``preset = "nano"``: the preset's sizes apply and
@@ -469,7 +532,7 @@ class RunSpec:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def replace(self, section: str | None = None, **changes: Any) -> "RunSpec":
+    def replace(self, section: str | None = None, **changes: Any) -> RunSpec:
         """A copy with fields of one section changed, validated; e.g. replace("train", steps=10)."""
         if section is None:
             return dataclasses.replace(self, **changes)
@@ -479,7 +542,7 @@ class RunSpec:
     # -- TOML ---------------------------------------------------------------------
 
     @classmethod
-    def from_toml(cls, text: str) -> "RunSpec":
+    def from_toml(cls, text: str) -> RunSpec:
         try:
             parsed = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
@@ -487,7 +550,7 @@ class RunSpec:
         return cls.from_dict(parsed)
 
     @classmethod
-    def load(cls, path: str | Path) -> "RunSpec":
+    def load(cls, path: str | Path) -> RunSpec:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")

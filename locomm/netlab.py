@@ -79,8 +79,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 PREFIX = "lnl"
 """Namespace names start with this, then the creating pid: ``lnl<pid>x<seq>-<host>``."""
@@ -210,18 +211,67 @@ def _probe(nat: bool) -> tuple[bool, str]:
     tools = ["ip", "tc"] + (["iptables"] if nat else [])
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
-        return False, f"missing tool(s): {', '.join(missing)} (apt-get install iproute2" + (" iptables)" if nat else ")")
+        return False, f"missing tool(s): {', '.join(missing)} (apt-get install iproute2" + (
+            " iptables)" if nat else ")"
+        )
     ns = f"{PREFIX}{os.getpid()}x{_next_seq()}-probe"
     try:
         _run(["ip", "netns", "add", ns])
         _run(["ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-        _run(["tc", "-n", ns, "qdisc", "replace", "dev", "p0", "root", "tbf", "rate", "1mbit", "burst", "64kb",
-              "latency", "50ms"])
+        _run(
+            [
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "replace",
+                "dev",
+                "p0",
+                "root",
+                "tbf",
+                "rate",
+                "1mbit",
+                "burst",
+                "64kb",
+                "latency",
+                "50ms",
+            ]
+        )
         if nat:
-            _run(["ip", "netns", "exec", ns, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "p0", "-j",
-                  "MASQUERADE"])
-            _run(["ip", "netns", "exec", ns, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate",
-                  "ESTABLISHED,RELATED", "-j", "ACCEPT"])
+            _run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "iptables",
+                    "-t",
+                    "nat",
+                    "-A",
+                    "POSTROUTING",
+                    "-o",
+                    "p0",
+                    "-j",
+                    "MASQUERADE",
+                ]
+            )
+            _run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "iptables",
+                    "-A",
+                    "FORWARD",
+                    "-m",
+                    "conntrack",
+                    "--ctstate",
+                    "ESTABLISHED,RELATED",
+                    "-j",
+                    "ACCEPT",
+                ]
+            )
     except (NetlabError, OSError, subprocess.TimeoutExpired) as e:
         return False, f"cannot build a namespace lab here: {e}"
     finally:
@@ -244,7 +294,7 @@ def _next_seq() -> int:
 class Host:
     """One emulated machine: a namespace one (shaped) veth pair away from the lab's bridge."""
 
-    lab: "Lab"
+    lab: Lab
     name: str
     index: int
     netns: str
@@ -273,8 +323,9 @@ class Host:
         the lab stops it on exit. Keyword arguments go to :class:`subprocess.Popen`."""
         return self.lab._popen(self, cmd, **kw)
 
-    def run(self, cmd: Sequence[str] | str, *, check: bool = True, timeout: float = 60.0,
-            **kw: Any) -> subprocess.CompletedProcess:
+    def run(
+        self, cmd: Sequence[str] | str, *, check: bool = True, timeout: float = 60.0, **kw: Any
+    ) -> subprocess.CompletedProcess:
         """Run ``cmd`` here to completion (output captured as text unless told otherwise)."""
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
@@ -289,8 +340,10 @@ class Host:
 
     def __repr__(self) -> str:
         rate = lambda b: "unshaped" if b is None else f"{b / 1e6:g}mbit"  # noqa: E731
-        return (f"Host({self.name!r}, {self.ip}{' via NAT ' + self.public_ip if self.nat else ''}, "
-                f"up {rate(self.up_bps)}, down {rate(self.down_bps)})")
+        return (
+            f"Host({self.name!r}, {self.ip}{' via NAT ' + self.public_ip if self.nat else ''}, "
+            f"up {rate(self.up_bps)}, down {rate(self.down_bps)})"
+        )
 
 
 # ----------------------------------------------------------------------------------- lab
@@ -303,8 +356,16 @@ class Lab:
     ``signals``: install SIGINT/SIGTERM handlers (main thread only) that clean up, then chain.
     """
 
-    def __init__(self, *, prefix: str = PREFIX, grace_s: float = 5.0, stop_signal: int = signal.SIGINT,
-                 latency_ms: float = LATENCY_MS, signals: bool = True, clean_stale: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        prefix: str = PREFIX,
+        grace_s: float = 5.0,
+        stop_signal: int = signal.SIGINT,
+        latency_ms: float = LATENCY_MS,
+        signals: bool = True,
+        clean_stale: bool = True,
+    ) -> None:
         if not re.fullmatch(r"[a-z]{1,4}", prefix):
             raise ValueError(f"prefix must be 1-4 lowercase letters, got {prefix!r}")
         self.prefix = prefix
@@ -327,7 +388,7 @@ class Lab:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         self.open()
         return self
 
@@ -415,8 +476,15 @@ class Lab:
 
     # -- building -----------------------------------------------------------------------------
 
-    def add_host(self, name: str | None = None, *, rate: str | int | None = None, up: str | int | None = None,
-                 down: str | int | None = None, nat: bool = False) -> Host:
+    def add_host(
+        self,
+        name: str | None = None,
+        *,
+        rate: str | int | None = None,
+        up: str | int | None = None,
+        down: str | int | None = None,
+        nat: bool = False,
+    ) -> Host:
         """A new host on the bridge. ``rate`` sets upload and download alike; ``up``/``down`` override it.
         ``nat``: the host sits in a private subnet behind its own router (it can dial out, nobody in)."""
         if not self._open:
@@ -459,13 +527,39 @@ class Lab:
             _run(ex + ["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE"])
             _run(ex + ["iptables", "-P", "FORWARD", "DROP"])
             _run(ex + ["iptables", "-A", "FORWARD", "-i", "lan0", "-o", "eth0", "-j", "ACCEPT"])
-            _run(ex + ["iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack", "--ctstate",
-                       "ESTABLISHED,RELATED", "-j", "ACCEPT"])
+            _run(
+                ex
+                + [
+                    "iptables",
+                    "-A",
+                    "FORWARD",
+                    "-i",
+                    "eth0",
+                    "-o",
+                    "lan0",
+                    "-m",
+                    "conntrack",
+                    "--ctstate",
+                    "ESTABLISHED,RELATED",
+                    "-j",
+                    "ACCEPT",
+                ]
+            )
             host_ip = f"{lan}.2"
         else:
             host_ip = wan_ip
-        host = Host(lab=self, name=name, index=i, netns=ns, ip=host_ip, public_ip=wan_ip, nat=nat,
-                    router_netns=edge if nat else None, up_dev=(edge, "eth0"), down_dev=(self.hub, hub_if))
+        host = Host(
+            lab=self,
+            name=name,
+            index=i,
+            netns=ns,
+            ip=host_ip,
+            public_ip=wan_ip,
+            nat=nat,
+            router_netns=edge if nat else None,
+            up_dev=(edge, "eth0"),
+            down_dev=(self.hub, hub_if),
+        )
         host.shape(up=up_bps, down=down_bps)
         self.hosts[name] = host
         return host
@@ -484,8 +578,25 @@ class Lab:
             _run(["tc", "-n", ns, "qdisc", "del", "dev", ifname, "root"], check=False)
             return
         burst = max(bps // 8 // 100, MIN_BURST)
-        _run(["tc", "-n", ns, "qdisc", "replace", "dev", ifname, "root", "tbf", "rate", f"{bps}bit",
-              "burst", str(burst), "latency", f"{self.latency_ms:g}ms"])
+        _run(
+            [
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "replace",
+                "dev",
+                ifname,
+                "root",
+                "tbf",
+                "rate",
+                f"{bps}bit",
+                "burst",
+                str(burst),
+                "latency",
+                f"{self.latency_ms:g}ms",
+            ]
+        )
 
     def _popen(self, host: Host, cmd: Sequence[str] | str, **kw: Any) -> subprocess.Popen:
         if not self._open or self._closing:
@@ -568,8 +679,7 @@ def _py(script: str, *args: Any) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", script, *map(str, args)]
 
 
-def measure_tcp(src: Host, dst: Host, nbytes: int = 4_000_000, *, timeout: float = 60.0,
-                dialer: str = "src") -> float:
+def measure_tcp(src: Host, dst: Host, nbytes: int = 4_000_000, *, timeout: float = 60.0, dialer: str = "src") -> float:
     """Bits per second of one TCP flow carrying ``nbytes`` from ``src`` to ``dst``: ``src``'s upload and
     ``dst``'s download. Timed at the receiver from its first byte to the end (start-up excluded).
 
@@ -580,12 +690,17 @@ def measure_tcp(src: Host, dst: Host, nbytes: int = 4_000_000, *, timeout: float
         raise ValueError(f"dialer must be 'src' or 'dst', got {dialer!r}")
     listener, dialing = (dst, src) if dialer == "src" else (src, dst)
     l_action, d_action = ("recv", "send") if dialer == "src" else ("send", "recv")
-    server = listener.popen(_py(_XFER, "listen", l_action, "0.0.0.0", 0, nbytes, timeout), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    server = listener.popen(
+        _py(_XFER, "listen", l_action, "0.0.0.0", 0, nbytes, timeout),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(_readline(server, timeout))
-        client = dialing.run(_py(_XFER, "connect", d_action, listener.ip, port, nbytes, timeout),
-                             timeout=timeout + 5, check=False)
+        client = dialing.run(
+            _py(_XFER, "connect", d_action, listener.ip, port, nbytes, timeout), timeout=timeout + 5, check=False
+        )
         if client.returncode != 0:
             raise NetlabError(f"measure_tcp {src.name}->{dst.name}: {client.stderr.strip()[-300:]}")
         out, _ = server.communicate(timeout=timeout)
@@ -625,10 +740,16 @@ def tcp_probe(src: Host, ip: str, port: int, timeout: float = 3.0) -> str | None
 
 
 def ping(src: Host, ip: str, timeout: float = 5.0) -> bool:
-    """Is ``ip`` reachable from ``src``: ``ping -c1`` when ping exists, else a TCP probe to port 9 (a refusal is an answer)."""
+    """Is ``ip`` reachable from ``src``: ``ping -c1`` when ping exists, else a TCP probe to port 9.
+
+    A refusal is an answer."""
     if shutil.which("ping"):
-        return src.run(["ping", "-c", "1", "-W", str(max(1, int(timeout))), ip], check=False,
-                       timeout=timeout + 5).returncode == 0
+        return (
+            src.run(
+                ["ping", "-c", "1", "-W", str(max(1, int(timeout))), ip], check=False, timeout=timeout + 5
+            ).returncode
+            == 0
+        )
     out = src.run(_py(_PROBE, ip, 9, timeout), timeout=timeout + 15, check=False).stdout
     return "ConnectionRefused" in out  # a refusal proves the host answered
 

@@ -23,8 +23,15 @@ from typing import Any
 
 import torch
 
-from locomm.checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, load_checkpoint,
-                               load_model_tensors, model_tensors, save_checkpoint)
+from locomm.checkpoint import (
+    CHECKPOINT_NAME,
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+    load_model_tensors,
+    model_tensors,
+    save_checkpoint,
+)
 from locomm.config import RunSpec
 from locomm.data import BatchSampler, TokenSplits, eval_batches, load_corpus
 from locomm.model import build_model
@@ -37,24 +44,33 @@ def resolve_device(device: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA device "
-                         f"(torch {torch.__version__}; a CPU build?)")
+        raise ValueError(
+            f"--device cuda was asked for, but torch sees no CUDA device (torch {torch.__version__}; a CPU build?)"
+        )
     return dev
 
 
 class Trainer:
     """One worker's model, inner optimizer, schedule and data shard."""
 
-    def __init__(self, spec: RunSpec, *, device: str | torch.device = "cpu", splits: TokenSplits | None = None,
-                 worker_id: int = 0, num_workers: int = 1) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        *,
+        device: str | torch.device = "cpu",
+        splits: TokenSplits | None = None,
+        worker_id: int = 0,
+        num_workers: int = 1,
+    ) -> None:
         self.spec = spec
         self.device = torch.device(device)
         self.splits = splits if splits is not None else load_corpus(spec.data)
         # Every worker starts from the same weights (the seed is the run's, not the worker's).
         self.model = build_model(spec.model, seed=spec.train.seed, device=self.device)
         self.optimizer = build_optimizer(self.model.parameters(), spec.inner)
-        self.sampler = BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=worker_id,
-                                    num_workers=num_workers)
+        self.sampler = BatchSampler(
+            self.splits.train, spec.data, seed=spec.train.seed, worker_id=worker_id, num_workers=num_workers
+        )
         self._val = eval_batches(self.splits.val, spec.data, spec.train.eval_batches)
         self.step = 0
         self.tokens_per_step = spec.data.batch_size * spec.data.seq_len
@@ -102,13 +118,22 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
 
-    def save(self, directory: Path, *, aux: dict[str, torch.Tensor] | None = None,
-             extra: dict[str, Any] | None = None) -> Path:
+    def save(
+        self, directory: Path, *, aux: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None
+    ) -> Path:
         """Checkpoint atomically; ``aux`` tensors and ``extra`` metadata (an outer algorithm's) ride along."""
         path = Path(directory) / CHECKPOINT_NAME
-        save_checkpoint(path, Checkpoint(step=self.step, spec_hash=self.spec.hash(),
-                                         model=model_tensors(self.model), optimizer=self.optimizer.state_dict(),
-                                         extra={"sampler": self.sampler.state(), **(extra or {})}, aux=aux or {}))
+        save_checkpoint(
+            path,
+            Checkpoint(
+                step=self.step,
+                spec_hash=self.spec.hash(),
+                model=model_tensors(self.model),
+                optimizer=self.optimizer.state_dict(),
+                extra={"sampler": self.sampler.state(), **(extra or {})},
+                aux=aux or {},
+            ),
+        )
         return path
 
     def try_resume(self, directory: Path) -> Checkpoint | None:
@@ -118,8 +143,10 @@ class Trainer:
             return None
         ckpt = load_checkpoint(path)
         if ckpt.spec_hash != self.spec.hash():
-            raise CheckpointError(f"{path} was written by a different run spec (hash {ckpt.spec_hash[:12]}, "
-                                  f"this run {self.spec.hash()[:12]}); use another --checkpoint-dir")
+            raise CheckpointError(
+                f"{path} was written by a different run spec (hash {ckpt.spec_hash[:12]}, "
+                f"this run {self.spec.hash()[:12]}); use another --checkpoint-dir"
+            )
         load_model_tensors(self.model, ckpt.model)
         if ckpt.optimizer is not None:
             self.optimizer.load_state_dict(ckpt.optimizer)
@@ -147,9 +174,14 @@ class TrainResult:
         return d
 
 
-def train(spec: RunSpec, *, device: str | torch.device = "cpu", checkpoint_dir: Path | None = None,
-          on_step: Callable[[int, float, float], None] | None = None,
-          on_eval: Callable[[int, float], None] | None = None) -> TrainResult:
+def train(
+    spec: RunSpec,
+    *,
+    device: str | torch.device = "cpu",
+    checkpoint_dir: Path | None = None,
+    on_step: Callable[[int, float, float], None] | None = None,
+    on_eval: Callable[[int, float], None] | None = None,
+) -> TrainResult:
     """Train one node for ``spec.train.steps`` inner steps, resuming from ``checkpoint_dir`` if it holds one.
 
     ``on_step(step, loss, tokens_per_s)`` and ``on_eval(step, val_loss)`` report progress. On
@@ -166,8 +198,9 @@ def train(spec: RunSpec, *, device: str | torch.device = "cpu", checkpoint_dir: 
             loss = trainer.train_step()
             done_tokens += trainer.tokens_per_step
             if not math.isfinite(loss):
-                raise FloatingPointError(f"training loss became {loss} at step {trainer.step}; "
-                                         "lower inner.lr or raise inner.warmup_steps")
+                raise FloatingPointError(
+                    f"training loss became {loss} at step {trainer.step}; lower inner.lr or raise inner.warmup_steps"
+                )
             if on_step:
                 on_step(trainer.step, loss, done_tokens / (time.perf_counter() - t0))
             if c.eval_interval and trainer.step % c.eval_interval == 0 and trainer.step < c.steps and on_eval:
@@ -184,6 +217,13 @@ def train(spec: RunSpec, *, device: str | torch.device = "cpu", checkpoint_dir: 
         on_eval(trainer.step, val)
     if checkpoint_dir:
         trainer.save(checkpoint_dir)
-    return TrainResult(steps=trainer.step, val_loss=val, unigram_nats=trainer.splits.unigram_nats(),
-                       tokens_per_s=done_tokens / wall if wall > 0 else 0.0, train_loss=loss, wall_s=wall,
-                       parameters=trainer.model.num_parameters(), resumed_from=resumed)
+    return TrainResult(
+        steps=trainer.step,
+        val_loss=val,
+        unigram_nats=trainer.splits.unigram_nats(),
+        tokens_per_s=done_tokens / wall if wall > 0 else 0.0,
+        train_loss=loss,
+        wall_s=wall,
+        parameters=trainer.model.num_parameters(),
+        resumed_from=resumed,
+    )

@@ -43,8 +43,9 @@ def _engine_problem() -> str | None:
     if shutil.which("docker") is None:
         return "no docker CLI on PATH (Debian: apt-get install docker.io)"
     try:
-        r = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
-                           timeout=30)
+        r = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
+        )
     except subprocess.TimeoutExpired:
         return "no Docker engine answers: `docker info` timed out"
     if r.returncode != 0:
@@ -61,8 +62,9 @@ def _compose_cli() -> list[str]:
     return []
 
 
-def run(cmd: list[str], *, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
-        ) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str], *, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
@@ -92,8 +94,14 @@ class Swarm:
     def __init__(self, project: str) -> None:
         self.project = project
         self.cli = _compose_cli()
-        self.env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "LINK_RATE": "80mbit", "LOCOMM_IMAGE": IMAGE,
-                    "COMPOSE_HTTP_TIMEOUT": "300", "CHECKPOINT_EVERY": "1"}
+        self.env = {
+            **os.environ,
+            "COMPOSE_PROJECT_NAME": project,
+            "LINK_RATE": "80mbit",
+            "LOCOMM_IMAGE": IMAGE,
+            "COMPOSE_HTTP_TIMEOUT": "300",
+            "CHECKPOINT_EVERY": "1",
+        }
         self.loss_seen: dict[str, list[tuple[int, float]]] = {}
         self._status_id: str | None = None
 
@@ -114,8 +122,7 @@ class Swarm:
         finds the bootstrap's address), as one dict; a Miss saying why when it has none."""
         if self._status_id is None:
             self._status_id = self.container("status")
-        r = run(["docker", "exec", self._status_id, "locomm-entrypoint", "status", "--json"],
-                timeout=150, check=False)
+        r = run(["docker", "exec", self._status_id, "locomm-entrypoint", "status", "--json"], timeout=150, check=False)
         lines = r.stdout.strip().splitlines()
         if r.returncode != 0 or not lines:
             return Miss(f"status exited {r.returncode}: {r.stderr.strip()[-300:]}")
@@ -153,14 +160,18 @@ def data_folder(cid: str) -> str:
 def leftovers(project: str) -> dict[str, list[str]]:
     label = f"label=com.docker.compose.project={project}"
     out = {}
-    for kind, cmd in (("containers", ["docker", "ps", "-a", "-q", "--filter", label]),
-                      ("networks", ["docker", "network", "ls", "-q", "--filter", label]),
-                      ("volumes", ["docker", "volume", "ls", "-q", "--filter", label])):
+    for kind, cmd in (
+        ("containers", ["docker", "ps", "-a", "-q", "--filter", label]),
+        ("networks", ["docker", "network", "ls", "-q", "--filter", label]),
+        ("volumes", ["docker", "volume", "ls", "-q", "--filter", label]),
+    ):
         out[kind] = run(cmd).stdout.split()
     named = run(["docker", "volume", "ls", "-q", "--filter", f"name={project}_"]).stdout.split()
     out["volumes"] = sorted(set(out["volumes"]) | set(named))
-    out["networks"] = sorted(set(out["networks"])
-                             | set(run(["docker", "network", "ls", "-q", "--filter", f"name={project}_"]).stdout.split()))
+    out["networks"] = sorted(
+        set(out["networks"])
+        | set(run(["docker", "network", "ls", "-q", "--filter", f"name={project}_"]).stdout.split())
+    )
     return out
 
 
@@ -191,7 +202,8 @@ def test_compose_swarm_trains_survives_a_kill_and_leaves_nothing(image: str) -> 
             assert re.search(r"qdisc tbf .* dev eth0 .*rate 80Mbit", qdiscs), qdiscs
             assert re.search(r"qdisc tbf .* dev ifb0 .*rate 80Mbit", qdiscs), qdiscs
             assert "locomm-peer join" in run(["docker", "exec", cid, "cat", "/proc/1/cmdline"]).stdout.replace(
-                "\0", " ")
+                "\0", " "
+            )
             assert run(["docker", "exec", cid, "sh", "-c", "stat -c %u /proc/1"]).stdout.strip() == "10001"
 
         def trained() -> dict[str, Any] | Miss:
@@ -211,7 +223,7 @@ def test_compose_swarm_trains_survives_a_kill_and_leaves_nothing(image: str) -> 
 
         snap = wait_for("3 peers past round 3 with falling loss", trained, START_TIMEOUT_S)
         timings["up_to_3_peers_past_round_3_s"] = time.time() - t_up
-        first_round = min((e["time"] for e in swarm.events(boot, data_folder(boot)) if e["event"] == "round"))
+        first_round = min(e["time"] for e in swarm.events(boot, data_folder(boot)) if e["event"] == "round")
         timings["up_to_first_round_s"] = first_round - t_up
 
         # Kill one peer once it has a checkpoint in its volume; the other two go on. Progress is read from
@@ -220,8 +232,11 @@ def test_compose_swarm_trains_survives_a_kill_and_leaves_nothing(image: str) -> 
         folder = data_folder(victim)
         victim_id = next(e["peer"] for e in swarm.events(victim, folder) if e["event"] == "started")
         ckpt = f"{folder}/checkpoint/checkpoint.safetensors"
-        wait_for(f"a checkpoint in {ckpt}", lambda: run(["docker", "exec", victim, "test", "-f", ckpt],
-                                                         check=False).returncode == 0, PHASE_TIMEOUT_S)
+        wait_for(
+            f"a checkpoint in {ckpt}",
+            lambda: run(["docker", "exec", victim, "test", "-f", ckpt], check=False).returncode == 0,
+            PHASE_TIMEOUT_S,
+        )
         run(["docker", "kill", victim])
         timings["killed_s"] = time.time() - t_up
         others = {cid: data_folder(cid) for cid in (boot, survivor)}
@@ -277,8 +292,12 @@ def test_compose_swarm_trains_survives_a_kill_and_leaves_nothing(image: str) -> 
         print(json.dumps({"timings": timings, "final_status": snap}, default=float))
     finally:
         t_down = time.time()
-        down = run([*swarm.cli, "-p", swarm.project, "down", "-v", "--remove-orphans", "-t", "10"],
-                   timeout=300, check=False, env=swarm.env)
+        down = run(
+            [*swarm.cli, "-p", swarm.project, "down", "-v", "--remove-orphans", "-t", "10"],
+            timeout=300,
+            check=False,
+            env=swarm.env,
+        )
         timings["down_s"] = time.time() - t_down
     assert down.returncode == 0, down.stderr
     left = leftovers(swarm.project)

@@ -36,8 +36,13 @@ def randn(shape: tuple[int, ...], seed: int, scale: float = 1.0, dtype: torch.dt
 
 
 @SETTINGS
-@given(shape=shapes, seed=st.integers(0, 10**6), scale=st.sampled_from([1e-3, 1.0, 100.0]), dtype=float_dtypes,
-       name=st.sampled_from(["fp16", "bf16"]))
+@given(
+    shape=shapes,
+    seed=st.integers(0, 10**6),
+    scale=st.sampled_from([1e-3, 1.0, 100.0]),
+    dtype=float_dtypes,
+    name=st.sampled_from(["fp16", "bf16"]),
+)
 def test_casts_equal_torch_cast(shape: tuple[int, ...], seed: int, scale: float, dtype: torch.dtype, name: str) -> None:
     x = randn(shape, seed, scale, dtype)
     for spec in (name, f"{name}+lossless"):
@@ -48,8 +53,12 @@ def test_casts_equal_torch_cast(shape: tuple[int, ...], seed: int, scale: float,
 
 
 @SETTINGS
-@given(shape=shapes, seed=st.integers(0, 10**6), scale=st.sampled_from([1e-3, 1.0, 1e4]),
-       blocksize=st.sampled_from([64, 256, 4096]))
+@given(
+    shape=shapes,
+    seed=st.integers(0, 10**6),
+    scale=st.sampled_from([1e-3, 1.0, 1e4]),
+    blocksize=st.sampled_from([64, 256, 4096]),
+)
 def test_blockwise8_error_bound(shape: tuple[int, ...], seed: int, scale: float, blocksize: int) -> None:
     x = randn(shape, seed, scale)
     for c in (Blockwise8Codec(blocksize), get_codec("blockwise8+lossless", blocksize=blocksize)):
@@ -62,8 +71,13 @@ def test_blockwise8_error_bound(shape: tuple[int, ...], seed: int, scale: float,
 
 
 @SETTINGS
-@given(n=st.integers(0, 3000), seed=st.integers(0, 10**6), k=st.integers(1, 4), beta=st.sampled_from([1.0, 0.9]),
-       rounds=st.integers(1, 4))
+@given(
+    n=st.integers(0, 3000),
+    seed=st.integers(0, 10**6),
+    k=st.integers(1, 4),
+    beta=st.sampled_from([1.0, 0.9]),
+    rounds=st.integers(1, 4),
+)
 def test_topk2bit_error_feedback_invariant(n: int, seed: int, k: int, beta: float, rounds: int) -> None:
     """e_new + Dhat == beta * e_old + x, at most k values per 64-chunk, Dhat has 2 magnitudes."""
     c = TopK2BitCodec(k=k, beta=beta)
@@ -96,8 +110,12 @@ def test_topk2bit_compresses_over_30x(k: int) -> None:
 
 
 @SETTINGS
-@given(n=st.integers(1, 4000), seed=st.integers(0, 10**6), sparsity=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
-       rounds=st.integers(1, 4))
+@given(
+    n=st.integers(1, 4000),
+    seed=st.integers(0, 10**6),
+    sparsity=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
+    rounds=st.integers(1, 4),
+)
 def test_scape_masks_one_step_late_with_error_feedback(n: int, seed: int, sparsity: float, rounds: int) -> None:
     c = ScapeCodec(sparsity=sparsity)
     total_in = torch.zeros(n)
@@ -174,7 +192,9 @@ def test_stack_registry_and_roles() -> None:
     s = get_codec("topk2bit+lossless", k=2, beta=0.9)
     assert isinstance(s, CodecStack) and s.codecs[0].k == 2 and s.codecs[0].beta == 0.9  # type: ignore[attr-defined]
     x = randn((5000,), 0)
-    assert torch.equal(s.decode(s.encode(x)), TopK2BitCodec(k=2, beta=0.9).decode(TopK2BitCodec(k=2, beta=0.9).encode(x)))
+    assert torch.equal(
+        s.decode(s.encode(x)), TopK2BitCodec(k=2, beta=0.9).decode(TopK2BitCodec(k=2, beta=0.9).encode(x))
+    )
     with pytest.raises(ValueError):
         get_codec("nope")
     with pytest.raises(ValueError):
@@ -185,7 +205,10 @@ def test_stack_registry_and_roles() -> None:
     c = codec_for_role("outer_gradient", {TensorRole.OUTER_GRADIENT: {"name": "topk2bit", "k": 2}})
     assert isinstance(c, TopK2BitCodec) and c.k == 2
     assert codec_for_role(TensorRole.ACTIVATION, {"activation": "fp16"}).name == "fp16"
-    a, b = codec_for_role("outer_gradient", {"outer_gradient": "topk2bit"}), codec_for_role("outer_gradient", {"outer_gradient": "topk2bit"})
+    a, b = (
+        codec_for_role("outer_gradient", {"outer_gradient": "topk2bit"}),
+        codec_for_role("outer_gradient", {"outer_gradient": "topk2bit"}),
+    )
     assert a is not b  # stateful codecs: one object per tensor stream
 
 
@@ -193,7 +216,12 @@ def test_no_asyncio_or_sockets_in_compression() -> None:
     root = pathlib.Path(__file__).resolve().parents[1] / "locomm" / "compression"
     for path in root.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for n in names:
                 assert n.split(".")[0] not in {"asyncio", "socket", "trio", "selectors"}, (path.name, n)

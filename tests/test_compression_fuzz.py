@@ -110,8 +110,12 @@ def test_mutated_payloads(i: int, edits: list[tuple[int, int]], cut: int | None,
 
 
 @settings(max_examples=200, deadline=None)
-@given(i=st.integers(0, len(PAYLOADS) - 1), junk=st.binary(max_size=300), reseal=st.booleans(),
-       keep_head=st.integers(0, 24))
+@given(
+    i=st.integers(0, len(PAYLOADS) - 1),
+    junk=st.binary(max_size=300),
+    reseal=st.booleans(),
+    keep_head=st.integers(0, 24),
+)
 def test_random_bytes(i: int, junk: bytes, reseal: bool, keep_head: int) -> None:
     """Random bytes, optionally behind a valid magic/header prefix."""
     _, codec, data = PAYLOADS[i]

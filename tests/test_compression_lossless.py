@@ -18,7 +18,11 @@ from locomm.compression.lossless import _LAYOUTS, MODE_CONST, MODE_EMPIRICAL, MO
 
 pytestmark = pytest.mark.timeout(120)
 
-DTYPES = {torch.bfloat16: (np.uint16, torch.int16), torch.float16: (np.uint16, torch.int16), torch.float32: (np.uint32, torch.int32)}
+DTYPES = {
+    torch.bfloat16: (np.uint16, torch.int16),
+    torch.float16: (np.uint16, torch.int16),
+    torch.float32: (np.uint32, torch.int32),
+}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -67,7 +71,9 @@ def test_arbitrary_bit_patterns_roundtrip(dtype: torch.dtype, data: st.DataObjec
     n=st.integers(0, 5000),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_gaussian_like_roundtrip(dtype: torch.dtype, log_sigma: float, mean: float, zeros: float, n: int, seed: int) -> None:
+def test_gaussian_like_roundtrip(
+    dtype: torch.dtype, log_sigma: float, mean: float, zeros: float, n: int, seed: int
+) -> None:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * 2.0**log_sigma + mean
     x[torch.rand(n, generator=g) < zeros] = 0.0
@@ -78,12 +84,30 @@ def test_gaussian_like_roundtrip(dtype: torch.dtype, log_sigma: float, mean: flo
 def test_special_values(dtype: torch.dtype) -> None:
     finfo = torch.finfo(dtype)
     specials = torch.tensor(
-        [0.0, -0.0, math.inf, -math.inf, math.nan, finfo.tiny, -finfo.tiny, finfo.max, -finfo.max,
-         finfo.tiny / 4, -finfo.tiny / 8, finfo.smallest_normal, 1.0, -1.0], dtype=torch.float32
+        [
+            0.0,
+            -0.0,
+            math.inf,
+            -math.inf,
+            math.nan,
+            finfo.tiny,
+            -finfo.tiny,
+            finfo.max,
+            -finfo.max,
+            finfo.tiny / 4,
+            -finfo.tiny / 8,
+            finfo.smallest_normal,
+            1.0,
+            -1.0,
+        ],
+        dtype=torch.float32,
     ).to(dtype)
     # NaNs with different payloads and signs, built from raw bits
-    nan_bits = {torch.bfloat16: [0x7FC1, 0xFF81, 0x7F81], torch.float16: [0x7E01, 0xFC01, 0x7C03],
-                torch.float32: [0x7FC00001, 0xFF800001, 0x7F8ABCDE]}[dtype]
+    nan_bits = {
+        torch.bfloat16: [0x7FC1, 0xFF81, 0x7F81],
+        torch.float16: [0x7E01, 0xFC01, 0x7C03],
+        torch.float32: [0x7FC00001, 0xFF800001, 0x7F8ABCDE],
+    }[dtype]
     word = DTYPES[dtype][0]
     nans = from_bits(np.array(nan_bits, dtype=word), dtype)
     x = torch.cat([specials, nans])
@@ -98,7 +122,9 @@ def test_constant_model_and_empirical_modes_are_chosen() -> None:
     def modes(x: torch.Tensor) -> set[int]:
         layout = _LAYOUTS[x.dtype]
         words = layout.words_of(x.contiguous())
-        return {codec._choose(layout, words[i : i + codec.chunk_elems])[0] for i in range(0, words.size, codec.chunk_elems)}
+        return {
+            codec._choose(layout, words[i : i + codec.chunk_elems])[0] for i in range(0, words.size, codec.chunk_elems)
+        }
 
     g = torch.Generator().manual_seed(0)
     assert modes(torch.zeros(10000, dtype=torch.bfloat16)) == {MODE_CONST}

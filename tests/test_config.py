@@ -30,20 +30,23 @@ def test_partial_toml_uses_preset_defaults():
     assert spec.train.steps == RunSpec.preset("nano").train.steps
 
 
-@pytest.mark.parametrize("toml, field", [
-    ("[outer]\ngroup_size = 1", "outer.group_size"),
-    ("[outer]\ninner_steps = 0", "outer.inner_steps"),
-    ('[outer]\nalgo = "allreduce"', "outer.algo"),
-    ("[model]\nd_model = 65", "model.d_model"),
-    ('[model]\npreset = "huge"', "model.preset"),
-    ("[inner]\nlr = -1.0", "inner.lr"),
-    ('[inner]\nlr = "fast"', "inner.lr"),
-    ("[data]\nseq_len = 100000", "data.seq_len"),
-    ("[train]\nsteps = 1.5", "train.steps"),
-    ("[outer]\nbogus = 1", "outer.bogus"),
-    ("[nonsense]\nx = 1", "nonsense"),
-    ("not toml [", "invalid TOML"),
-])
+@pytest.mark.parametrize(
+    "toml, field",
+    [
+        ("[outer]\ngroup_size = 1", "outer.group_size"),
+        ("[outer]\ninner_steps = 0", "outer.inner_steps"),
+        ('[outer]\nalgo = "allreduce"', "outer.algo"),
+        ("[model]\nd_model = 65", "model.d_model"),
+        ('[model]\npreset = "huge"', "model.preset"),
+        ("[inner]\nlr = -1.0", "inner.lr"),
+        ('[inner]\nlr = "fast"', "inner.lr"),
+        ("[data]\nseq_len = 100000", "data.seq_len"),
+        ("[train]\nsteps = 1.5", "train.steps"),
+        ("[outer]\nbogus = 1", "outer.bogus"),
+        ("[nonsense]\nx = 1", "nonsense"),
+        ("not toml [", "invalid TOML"),
+    ],
+)
 def test_invalid_values_name_the_field(toml, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         RunSpec.from_toml(toml)

@@ -24,19 +24,49 @@ from locomm.peer.display import (
 
 NAN = float("nan")
 STATUS = {
-    "peer": "9xQeWvG8", "round": 3, "end_round": 10, "step": 150, "loss": 2.3412, "val_loss": None,
-    "tokens_per_s": 1234.4, "members": 3, "partners": 1, "answered": 1, "bytes_sent": 12_300_000,
-    "bytes_received": 12_100_000, "wait_s": 0.42, "wall_s": 83.0, "phase": "exchanging", "faults": 0, "banned": 0,
+    "peer": "9xQeWvG8",
+    "round": 3,
+    "end_round": 10,
+    "step": 150,
+    "loss": 2.3412,
+    "val_loss": None,
+    "tokens_per_s": 1234.4,
+    "members": 3,
+    "partners": 1,
+    "answered": 1,
+    "bytes_sent": 12_300_000,
+    "bytes_received": 12_100_000,
+    "wait_s": 0.42,
+    "wall_s": 83.0,
+    "phase": "exchanging",
+    "faults": 0,
+    "banned": 0,
     "transfers": [
         {"peer": "SmallOne", "direction": "send", "done": 10, "total": 1000, "rate_bps": 5.0, "eta_s": 200.0},
-        {"peer": "AbCdEf12", "direction": "recv", "done": 4_100_000, "total": 10_200_000, "rate_bps": 2_300_000.0,
-         "eta_s": 2.7},
+        {
+            "peer": "AbCdEf12",
+            "direction": "recv",
+            "done": 4_100_000,
+            "total": 10_200_000,
+            "rate_bps": 2_300_000.0,
+            "eta_s": 2.7,
+        },
     ],
 }
 SUMMARY = {
-    "peer": "12D3KooWLongPeerId9xQeWvG8", "rounds_completed": 10, "initial_loss": 5.3612, "final_loss": 2.2401,
-    "bytes_sent": 240_000_000, "bytes_received": 238_000_000, "exchanges_ok": 20, "exchanges_failed": 0,
-    "wait_s": 3.1, "faults": 0, "banned": 0, "banned_peers": [], "interrupted": False,
+    "peer": "12D3KooWLongPeerId9xQeWvG8",
+    "rounds_completed": 10,
+    "initial_loss": 5.3612,
+    "final_loss": 2.2401,
+    "bytes_sent": 240_000_000,
+    "bytes_received": 238_000_000,
+    "exchanges_ok": 20,
+    "exchanges_failed": 0,
+    "wait_s": 3.1,
+    "faults": 0,
+    "banned": 0,
+    "banned_peers": [],
+    "interrupted": False,
 }
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -48,7 +78,13 @@ def term_console(width: int = 200) -> tuple[Console, io.StringIO]:
 
 def test_units() -> None:
     assert [fmt_bytes(x) for x in (0, 999, 1500, 12_345_678, 240e6, 1.5e9)] == [
-        "0 B", "999 B", "1.5 kB", "12.3 MB", "240 MB", "1.5 GB"]
+        "0 B",
+        "999 B",
+        "1.5 kB",
+        "12.3 MB",
+        "240 MB",
+        "1.5 GB",
+    ]
     assert [fmt_duration(x) for x in (0.42, 42, 185, 7620, 90000)] == ["0.4 s", "42 s", "3m05s", "2h07m", "1d01h"]
     assert fmt_eta(2.2) == "3 s" and fmt_eta(0.01) == "1 s" and fmt_eta(65) == "1m05s"
     for bad in (None, NAN, float("inf"), "x", True):
@@ -82,19 +118,32 @@ def test_plain_one_line_per_round(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_summary_paragraph_numbers() -> None:
     text = summary_paragraph(SUMMARY, {"step": 500, "members": 2, "wall_s": 150.0})
-    assert text == ("Peer 9xQeWvG8 trained 10 rounds (500 steps) with 2 peers; validation loss 5.361 -> 2.240; "
-                    "sent 240 MB, received 238 MB; 20 exchanges ok, 0 failed; compute waited 3.1 s on the network "
-                    "(2.1% of 2m30s); 0 faults, 0 peers banned.")
-    bad = summary_paragraph({"interrupted": True, "rounds_completed": 1, "faults": 4, "banned": 2,
-                             "banned_peers": ["12D3KooWaaaaaaaaaa", "12D3KooWbbbbbbbbbb"]})
+    assert text == (
+        "Peer 9xQeWvG8 trained 10 rounds (500 steps) with 2 peers; validation loss 5.361 -> 2.240; "
+        "sent 240 MB, received 238 MB; 20 exchanges ok, 0 failed; compute waited 3.1 s on the network "
+        "(2.1% of 2m30s); 0 faults, 0 peers banned."
+    )
+    bad = summary_paragraph(
+        {
+            "interrupted": True,
+            "rounds_completed": 1,
+            "faults": 4,
+            "banned": 2,
+            "banned_peers": ["12D3KooWaaaaaaaaaa", "12D3KooWbbbbbbbbbb"],
+        }
+    )
     assert bad == "Interrupted; trained 1 round; 4 faults, 2 peers banned (aaaaaaaa, bbbbbbbb)."
 
 
-@pytest.mark.parametrize("status", [
-    {}, {"round": None, "loss": NAN, "tokens_per_s": float("inf"), "bytes_sent": None, "transfers": None},
-    {"round": "3", "step": "x", "partners": NAN, "transfers": [None, 5, {"direction": "recv"}]},
-    {"transfers": [{"peer": None, "done": None, "total": 0, "rate_bps": NAN, "eta_s": None}], "banned": ["a", "b"]},
-])
+@pytest.mark.parametrize(
+    "status",
+    [
+        {},
+        {"round": None, "loss": NAN, "tokens_per_s": float("inf"), "bytes_sent": None, "transfers": None},
+        {"round": "3", "step": "x", "partners": NAN, "transfers": [None, 5, {"direction": "recv"}]},
+        {"transfers": [{"peer": None, "done": None, "total": 0, "rate_bps": NAN, "eta_s": None}], "banned": ["a", "b"]},
+    ],
+)
 def test_missing_none_nan_never_raise(status: dict) -> None:
     assert round_line(status).startswith("round ?")
     assert summary_paragraph(status, status).endswith(".")

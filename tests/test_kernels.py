@@ -55,7 +55,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def _special(dtype: torch.dtype) -> torch.Tensor:
     f = torch.finfo(dtype)
-    return torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, f.tiny / 4, -f.max, 1.0], dtype=torch.float32).to(dtype)
+    return torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, f.tiny / 4, -f.max, 1.0], dtype=torch.float32).to(
+        dtype
+    )
 
 
 def _cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -168,7 +170,8 @@ def test_topk2bit_bytes_and_error_feedback_match_cpu(k: int) -> None:
     assert TopK2BitCodec(k=k, impl="triton").encode(ties) == TopK2BitCodec(k=k, impl="cpu").encode(ties)
     x = torch.randn(10, 13, generator=g).t()  # non-contiguous
     assert TopK2BitCodec(k=k, impl="triton", error_feedback=False).encode(x) == TopK2BitCodec(
-        k=k, impl="cpu", error_feedback=False).encode(x)
+        k=k, impl="cpu", error_feedback=False
+    ).encode(x)
 
 
 def test_subspace_kernels_match_eager() -> None:
@@ -292,7 +295,12 @@ def test_kernels_compile_for_a_gpu() -> None:
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "locomm.kernels.compile_check", "90"], env=env,
-                         capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, "-m", "locomm.kernels.compile_check", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(": ok") == 17, run.stdout

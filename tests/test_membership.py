@@ -39,8 +39,16 @@ def test_a_banned_partner_is_skipped_at_exchange_time():
     async def run() -> dict:
         with ThreadPoolExecutor(1) as pool:
             server = RpcServer(None, "run", Limits(), pool)  # type: ignore[arg-type]
-            g = Gossip(None, server, run_id="run", me="pa", codec=codec, limits=Limits(), faults=faults,  # type: ignore[arg-type]
-                       max_body_bytes=1 << 20)
+            g = Gossip(
+                None,
+                server,
+                run_id="run",
+                me="pa",
+                codec=codec,
+                limits=Limits(),
+                faults=faults,  # type: ignore[arg-type]
+                max_body_bytes=1 << 20,
+            )
             # The only partner is banned: no stream is opened (there is no network here), the round is local.
             return await g.exchange(0, ["pa", "pb"], {})
 

@@ -8,16 +8,31 @@ import pytest
 from locomm import PROTOCOL_VERSION
 from locomm.peer.metrics import Metrics
 from locomm.peer.swarm import Heartbeat, members_for_round
-from locomm.protocol.messages import (ErrorCode, ProtocolViolation, TensorSpec, decode_header, pack_frame,
-                                      read_header_length, validate_header)
+from locomm.protocol.messages import (
+    ErrorCode,
+    ProtocolViolation,
+    TensorSpec,
+    decode_header,
+    pack_frame,
+    read_header_length,
+    validate_header,
+)
 
 EXPECTED = {"phi/w": TensorSpec((4, 4)), "delta/w": TensorSpec((4, 4))}
 
 
 def header(**over):
-    h = {"v": PROTOCOL_VERSION, "run": "r1", "type": "push", "round": 3, "sender": "me",
-         "tensors": [{"name": "phi/w", "codec": "none", "nbytes": 64, "shape": [4, 4]},
-                     {"name": "delta/w", "codec": "none", "nbytes": 64, "shape": [4, 4]}]}
+    h = {
+        "v": PROTOCOL_VERSION,
+        "run": "r1",
+        "type": "push",
+        "round": 3,
+        "sender": "me",
+        "tensors": [
+            {"name": "phi/w", "codec": "none", "nbytes": 64, "shape": [4, 4]},
+            {"name": "delta/w", "codec": "none", "nbytes": 64, "shape": [4, 4]},
+        ],
+    }
     h.update(over)
     return h
 
@@ -29,26 +44,29 @@ def check(h, max_body=1 << 20):
 def test_valid_header_round_trips_through_a_frame():
     frame = pack_frame(header())
     n = read_header_length(frame[:4])
-    msg = check(decode_header(frame[4:4 + n]))
+    msg = check(decode_header(frame[4 : 4 + n]))
     assert msg.round == 3 and msg.sender == "me" and msg.body_bytes == 128
 
 
-@pytest.mark.parametrize("over, code", [
-    ({"v": 2}, ErrorCode.BAD_VERSION),
-    ({"run": "other"}, ErrorCode.WRONG_RUN),
-    ({"type": "nope"}, ErrorCode.MALFORMED),
-    ({"round": -1}, ErrorCode.MALFORMED),
-    ({"round": True}, ErrorCode.MALFORMED),
-    ({"sender": 5}, ErrorCode.MALFORMED),
-    ({"tensors": "x"}, ErrorCode.MALFORMED),
-    ({"tensors": [7]}, ErrorCode.MALFORMED),
-    ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": 10**12}]}, ErrorCode.TOO_LARGE),
-    ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": -1}]}, ErrorCode.TOO_LARGE),
-    ({"tensors": [{"name": "x", "codec": "none", "nbytes": 1}]}, ErrorCode.UNEXPECTED_TENSOR),
-    ({"tensors": [{"name": "phi/w", "codec": "zip", "nbytes": 1}]}, ErrorCode.MALFORMED),
-    ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": 1, "shape": [2]}]}, ErrorCode.BAD_SHAPE),
-    ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": 1}] * 2}, ErrorCode.UNEXPECTED_TENSOR),
-])
+@pytest.mark.parametrize(
+    "over, code",
+    [
+        ({"v": 2}, ErrorCode.BAD_VERSION),
+        ({"run": "other"}, ErrorCode.WRONG_RUN),
+        ({"type": "nope"}, ErrorCode.MALFORMED),
+        ({"round": -1}, ErrorCode.MALFORMED),
+        ({"round": True}, ErrorCode.MALFORMED),
+        ({"sender": 5}, ErrorCode.MALFORMED),
+        ({"tensors": "x"}, ErrorCode.MALFORMED),
+        ({"tensors": [7]}, ErrorCode.MALFORMED),
+        ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": 10**12}]}, ErrorCode.TOO_LARGE),
+        ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": -1}]}, ErrorCode.TOO_LARGE),
+        ({"tensors": [{"name": "x", "codec": "none", "nbytes": 1}]}, ErrorCode.UNEXPECTED_TENSOR),
+        ({"tensors": [{"name": "phi/w", "codec": "zip", "nbytes": 1}]}, ErrorCode.MALFORMED),
+        ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": 1, "shape": [2]}]}, ErrorCode.BAD_SHAPE),
+        ({"tensors": [{"name": "phi/w", "codec": "none", "nbytes": 1}] * 2}, ErrorCode.UNEXPECTED_TENSOR),
+    ],
+)
 def test_violations_carry_their_code(over, code):
     with pytest.raises(ProtocolViolation) as e:
         check(header(**over))

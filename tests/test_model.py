@@ -50,8 +50,8 @@ def test_rotary_is_relative():
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
 
     def score(i, j):
-        qi = apply_rotary(q, cos[i:i + 1], sin[i:i + 1])
-        kj = apply_rotary(k, cos[j:j + 1], sin[j:j + 1])
+        qi = apply_rotary(q, cos[i : i + 1], sin[i : i + 1])
+        kj = apply_rotary(k, cos[j : j + 1], sin[j : j + 1])
         return (qi * kj).sum().item()
 
     assert score(5, 2) == pytest.approx(score(40, 37), rel=1e-4)

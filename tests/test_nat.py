@@ -29,8 +29,10 @@ def _why(result: dict, logs: Path) -> str:
     """The evidence for a failure message: each peer's summary, links, connections and log lines."""
     lines = [f"error={result.get('error')} timed_out={result.get('timed_out')} totals={result.get('totals')}"]
     for p in result.get("per_peer", []):
-        lines.append(f"peer {p['index']} nat={p['nat']} ip={p['ip']} rc={p['returncode']} summary={p['summary']} "
-                     f"extra={p.get('extra_summary_keys')} connections={p.get('tcp_connections')}")
+        lines.append(
+            f"peer {p['index']} nat={p['nat']} ip={p['ip']} rc={p['returncode']} summary={p['summary']} "
+            f"extra={p.get('extra_summary_keys')} connections={p.get('tcp_connections')}"
+        )
         err = logs / f"peer{p['index']}.err"
         if err.exists():
             tail = [ln for ln in err.read_text(errors="replace").splitlines() if ln.strip()][-25:]
@@ -41,10 +43,29 @@ def _why(result: dict, logs: Path) -> str:
 def test_three_peers_one_behind_nat(tmp_path):
     out = tmp_path / "nat.json"
     logs = tmp_path / "logs"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "links.py"), "--config",
-           str(ROOT / "benchmarks" / "configs" / "links-nano.toml"), "--peers", "3", "--nat", "1",
-           "--rounds", str(ROUNDS), "--rate", "80mbit", "--timeout", "150", "--grace", "15", "--quiet",
-           "--out", str(out), "--keep", str(logs)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "links.py"),
+        "--config",
+        str(ROOT / "benchmarks" / "configs" / "links-nano.toml"),
+        "--peers",
+        "3",
+        "--nat",
+        "1",
+        "--rounds",
+        str(ROUNDS),
+        "--rate",
+        "80mbit",
+        "--timeout",
+        "150",
+        "--grace",
+        "15",
+        "--quiet",
+        "--out",
+        str(out),
+        "--keep",
+        str(logs),
+    ]
     before = set(netlab.list_netns())
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
     assert out.exists(), f"no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}"

@@ -6,7 +6,6 @@ netlab.available() gives. About 15 s on 2 cores.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -101,8 +100,10 @@ def test_nat_host_dials_out_but_cannot_be_dialled():
         assert netlab.tcp_probe(opn, nat.ip, nport, timeout=2) is None
         assert netlab.tcp_probe(opn, nat.public_ip, nport, timeout=2) is None
         # even with a route to the private subnet through the router, its firewall drops new inbound flows
-        subprocess.run(["ip", "-n", opn.netns, "route", "add", nat.ip.rsplit(".", 1)[0] + ".0/24", "via",
-                        nat.public_ip], check=True)
+        subprocess.run(
+            ["ip", "-n", opn.netns, "route", "add", nat.ip.rsplit(".", 1)[0] + ".0/24", "via", nat.public_ip],
+            check=True,
+        )
         assert netlab.tcp_probe(opn, nat.ip, nport, timeout=2) is None
         # the NAT host's link is shaped too (on its router's WAN veth)
         up = netlab.measure_tcp(nat, opn, 2_000_000)

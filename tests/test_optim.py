@@ -12,10 +12,10 @@ def adams_reference(theta, grads, lr, b1, b2, eps, wd):
     m = torch.zeros_like(theta)
     for t, g in enumerate(grads, start=1):
         theta = (1 - lr * wd) * theta
-        mh = m / (1 - b1 ** t)
-        v = b2 * mh ** 2 + (1 - b2) * g ** 2
+        mh = m / (1 - b1**t)
+        v = b2 * mh**2 + (1 - b2) * g**2
         m = b1 * m + (1 - b1) * g
-        theta = theta - lr * (m / (1 - b1 ** t)) / (torch.sqrt(v) + eps)
+        theta = theta - lr * (m / (1 - b1**t)) / (torch.sqrt(v) + eps)
     return theta, m
 
 

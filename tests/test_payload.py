@@ -9,15 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from test_rpc import RUN, SENDER, Harness, status  # the fake-stream harness of the service base
 
 from locomm.compression import get_codec
 from locomm.compression.payload import MIN_PART_ELEMS, Part, PayloadCodec, PayloadError
 from locomm.config import CompressionConfig, OuterConfig
 from locomm.protocol import NoLoCo, SparseLoCo
-from locomm.protocol.messages import (PART_LEN, ErrorCode, ProtocolViolation, pack_frame, push_header,
-                                      validate_transfer)
+from locomm.protocol.messages import PART_LEN, ErrorCode, ProtocolViolation, pack_frame, push_header, validate_transfer
 from locomm.protocol.schedule import group_of, noloco_groups
-from test_rpc import RUN, SENDER, Harness, status  # the fake-stream harness of the service base
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,8 +114,11 @@ def test_simulator_counts_the_daemons_bytes_and_rounding(nano_spec, nano_splits,
     from locomm.sim import Simulator
 
     for stack, per_elem in [("none", 4), ("bf16", 2)]:
-        spec = (nano_spec.replace("outer", algo="noloco", inner_steps=2, group_size=2)
-                .replace("train", steps=2, eval_batches=1).replace("compression", parameter=stack))
+        spec = (
+            nano_spec.replace("outer", algo="noloco", inner_steps=2, group_size=2)
+            .replace("train", steps=2, eval_batches=1)
+            .replace("compression", parameter=stack)
+        )
         sim = Simulator(spec, 2, splits=nano_splits)
         seen = []
         real = sim.coder.transmit
@@ -132,9 +134,13 @@ def test_simulator_counts_the_daemons_bytes_and_rounding(nano_spec, nano_splits,
         params = dict(sim.trainers[0].model.named_parameters())
         n_params = sum(p.numel() for p in params.values())
         # The daemon's codec, built as Node._payload_codec builds it.
-        daemon = PayloadCodec({k: tuple(p.shape) for k, p in params.items()}, sim.algos[0].payload_roles,
-                              spec.compression, encoded=sim.algos[0].payload_encoded)
-        for w, (payload, got, n) in enumerate(seen):
+        daemon = PayloadCodec(
+            {k: tuple(p.shape) for k, p in params.items()},
+            sim.algos[0].payload_roles,
+            spec.compression,
+            encoded=sim.algos[0].payload_encoded,
+        )
+        for w, (payload, _got, n) in enumerate(seen):
             assert set(payload) == {f"theta/{k}" for k in params}
             size = encoded_size(daemon, payload)
             assert res.bytes_sent[w] == size == n  # one partner per round
@@ -167,13 +173,15 @@ SPARSE_SHAPES = {"w": (400, 500), "b": (7,)}
 
 
 def sparse_setup(density: float = 0.25):
-    params = {k: torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, (k, s) in
-              enumerate(SPARSE_SHAPES.items())}
+    params = {
+        k: torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, (k, s) in enumerate(SPARSE_SHAPES.items())
+    }
     algo = SparseLoCo(OuterConfig(algo="sparseloco", sparse_density=density), params, 0)
     moved = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(9)) for k, v in params.items()}
     ex = algo.plan(0, [0, 1], moved)
-    codec = PayloadCodec(SPARSE_SHAPES, algo.payload_roles, CompressionConfig(), encoded=algo.payload_encoded,
-                         part_elems=MIN_PART_ELEMS)
+    codec = PayloadCodec(
+        SPARSE_SHAPES, algo.payload_roles, CompressionConfig(), encoded=algo.payload_encoded, part_elems=MIN_PART_ELEMS
+    )
     return algo, ex.payload, codec
 
 
@@ -210,10 +218,13 @@ def test_encoded_values_over_the_fake_stream(pool):
             assert torch.equal(got[k], codec.transmit(payload)[0][k])
         # A declared byte length it cannot take, or a missing one, is refused from the header.
         bad = {**enc, "sparse/w": codec.tensors[codec.index["sparse/w"]].max_bytes() + 1}
-        assert status(await h.request(pack_frame(push_header(RUN, 1, SENDER, 2, 0, 1, bad, parts)))) == \
-            ErrorCode.TOO_LARGE
-        assert status(await h.request(pack_frame(push_header(RUN, 1, SENDER, 3, 0, 1, {}, parts)))) == \
-            ErrorCode.UNEXPECTED_TENSOR
+        assert (
+            status(await h.request(pack_frame(push_header(RUN, 1, SENDER, 2, 0, 1, bad, parts)))) == ErrorCode.TOO_LARGE
+        )
+        assert (
+            status(await h.request(pack_frame(push_header(RUN, 1, SENDER, 3, 0, 1, {}, parts))))
+            == ErrorCode.UNEXPECTED_TENSOR
+        )
 
     asyncio.run(body())
 
@@ -239,8 +250,9 @@ def test_encoded_values_are_validated():
     with pytest.raises(KeyError):  # an encoded value's length is needed for its layout
         codec.parts()
     with pytest.raises(ProtocolViolation) as v:
-        validate_transfer({"xfer": 1, "stream": 0, "streams": 1, "enc": {"sparse/w": 10},
-                           "parts": [[0, 0, 1]]}, codec, 1 << 30)
+        validate_transfer(
+            {"xfer": 1, "stream": 0, "streams": 1, "enc": {"sparse/w": 10}, "parts": [[0, 0, 1]]}, codec, 1 << 30
+        )
     assert v.value.code == ErrorCode.UNEXPECTED_TENSOR
 
 
@@ -276,7 +288,7 @@ def test_garbage_parts_raise_payload_error_of_their_kind(stack, how, kind):
     def encode(v: torch.Tensor) -> bytes:
         pl = {n.name: torch.zeros(n.shape) for n in codec.tensors}
         flat = pl[t.name].view(-1)
-        flat[part.start:part.start + v.numel()] = v
+        flat[part.start : part.start + v.numel()] = v
         return codec.encode_part(pl, Part(part.tensor, part.start, v.numel()))
 
     good = encode(x)
@@ -311,8 +323,9 @@ def test_garbage_parts_raise_payload_error_of_their_kind(stack, how, kind):
 # ------------------------------------------------------------------------------ 5. NoLoCo's theta-only payload
 
 
-def noloco_theta_reference(phi: torch.Tensor, thetas: list[torch.Tensor], m: torch.Tensor, alpha: float,
-                           beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def noloco_theta_reference(
+    phi: torch.Tensor, thetas: list[torch.Tensor], m: torch.Tensor, alpha: float, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """m = beta*m + alpha*(mean_j theta_j - phi); phi += m; over whoever answered (self included)."""
     tbar = sum(thetas) / len(thetas)
     m = beta * m + alpha * (tbar - phi)
@@ -354,8 +367,9 @@ def test_noloco_theta_only_matches_the_reference(gamma):
             group = group_of(i, groups)
             answered = [i] if i in drop else [j for j in group if j == i or j not in drop]
             for k in SHAPES:
-                phi[i][k], m[i][k] = noloco_theta_reference(phi[i][k], [thetas[j][k].clone() for j in answered],
-                                                            m[i][k], alpha, beta)
+                phi[i][k], m[i][k] = noloco_theta_reference(
+                    phi[i][k], [thetas[j][k].clone() for j in answered], m[i][k], alpha, beta
+                )
         plans = run_round(algos, thetas, r, members, drop)
         for i in members:
             assert set(plans[i].payload) == {f"theta/{k}" for k in SHAPES}

@@ -29,19 +29,27 @@ pytestmark = pytest.mark.timeout(420)
 
 
 def swarm_spec(tmp: Path, max_faults: int = 3, parameter_codec: str = "lossless", **outer) -> Path:
-    spec = (RunSpec.preset("nano")
-            .replace("compression", parameter=parameter_codec)
-            .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
-            .replace("outer", algo="noloco", inner_steps=outer.pop("inner_steps", 10), **outer)
-            .replace("train", steps=400, eval_batches=2, eval_interval=0)
-            .replace("network", request_timeout_s=6.0, stall_timeout_s=3.0, heartbeat_interval_s=1.0,
-                     heartbeat_ttl_s=4.0, max_faults_before_ban=max_faults))
+    spec = (
+        RunSpec.preset("nano")
+        .replace("compression", parameter=parameter_codec)
+        .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
+        .replace("outer", algo="noloco", inner_steps=outer.pop("inner_steps", 10), **outer)
+        .replace("train", steps=400, eval_batches=2, eval_interval=0)
+        .replace(
+            "network",
+            request_timeout_s=6.0,
+            stall_timeout_s=3.0,
+            heartbeat_interval_s=1.0,
+            heartbeat_ttl_s=4.0,
+            max_faults_before_ban=max_faults,
+        )
+    )
     path = tmp / "run.toml"
     spec.save(path)
     return path
 
 
-def run_pair(tmp_path: Path, cfg: Path, *args: str) -> list["Peer"]:
+def run_pair(tmp_path: Path, cfg: Path, *args: str) -> list[Peer]:
     """Two peers (shards 0/2 and 1/2, b joining a) run to the end; both exit 0, and are cleaned up."""
     peers: list[Peer] = []
     try:
@@ -60,15 +68,30 @@ class Peer:
         self.log = tmp / f"{name}.jsonl"
         self.weights = tmp / f"{name}.safetensors"
         self.addr = tmp / f"{name}.addr"
-        cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(config), "--device", "cpu",
-               "--log-file", str(self.log), "--final-weights", str(self.weights), "--announce-file",
-               str(self.addr), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "join",
+            "--config",
+            str(config),
+            "--device",
+            "cpu",
+            "--log-file",
+            str(self.log),
+            "--final-weights",
+            str(self.weights),
+            "--announce-file",
+            str(self.addr),
+            *args,
+        ]
         if initial:
             cmd += ["--initial-peers", initial]
         self.err = open(tmp / f"{name}.err", "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.err, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self.err, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
         self.errfile = tmp / f"{name}.err"
 
     def events(self, kind: str | None = None) -> list[dict]:
@@ -136,14 +159,23 @@ def test_three_peers_join_and_kill(tmp_path):
     try:
         peers.append(Peer(tmp_path, "p0", cfg, *end, "--wait-for-peers", "3", "--shard", "0/4"))
         boot = peers[0].address()
-        peers += [Peer(tmp_path, f"p{i}", cfg, *end, "--wait-for-peers", "3", "--shard", f"{i}/4", initial=boot)
-                  for i in (1, 2)]
+        peers += [
+            Peer(tmp_path, f"p{i}", cfg, *end, "--wait-for-peers", "3", "--shard", f"{i}/4", initial=boot)
+            for i in (1, 2)
+        ]
         wait_until(lambda: min(p.round() for p in peers) >= 3, 180, "3 peers reach round 3", peers)
         joiner = Peer(tmp_path, "p3", cfg, *end, "--shard", "3/4", initial=boot)
         peers.append(joiner)
-        wait_until(lambda: joiner.events("synced") and joiner.events("started")
-                   and joiner.round() >= joiner.events("started")[0]["round"] + 1,
-                   120, "the joiner syncs and trains a round", peers)
+        wait_until(
+            lambda: (
+                joiner.events("synced")
+                and joiner.events("started")
+                and joiner.round() >= joiner.events("started")[0]["round"] + 1
+            ),
+            120,
+            "the joiner syncs and trains a round",
+            peers,
+        )
         os.kill(peers[1].proc.pid, signal.SIGKILL)  # the peer process only; its p2pd is orphaned
         survivors = [peers[0], peers[2], joiner]
         for p in survivors:
@@ -174,8 +206,12 @@ def test_three_peers_join_and_kill(tmp_path):
     for t in alone:
         for _ in range(60 * spec.outer.inner_steps):
             t.train_step()
-    apart = float((torch.cat([p.detach().flatten() for _, p in sorted(alone[0].model.named_parameters())])
-                   - torch.cat([p.detach().flatten() for _, p in sorted(alone[1].model.named_parameters())])).norm())
+    apart = float(
+        (
+            torch.cat([p.detach().flatten() for _, p in sorted(alone[0].model.named_parameters())])
+            - torch.cat([p.detach().flatten() for _, p in sorted(alone[1].model.named_parameters())])
+        ).norm()
+    )
     assert dist < 0.5 * apart, (dist, apart)
 
 
@@ -229,8 +265,12 @@ def test_malformed_messages_get_error_codes(tmp_path):
         run, target = started["run"], started["peer"]
         handler = f"locomm.{run}.gossip"
         wait_until(lambda: peer.round() >= 1, 60, "a round", [peer])
-        status = subprocess.run([sys.executable, "-m", "locomm.cli.main", "status", "--initial-peers", boot, "--json"],
-                                capture_output=True, text=True, timeout=120)
+        status = subprocess.run(
+            [sys.executable, "-m", "locomm.cli.main", "status", "--initial-peers", boot, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert status.returncode == 0, status.stderr[-2000:]
         view = json.loads(status.stdout.strip().splitlines()[-1])
         assert view["run"] == run and [p["peer"] for p in view["peers"]] == [target]
@@ -299,12 +339,18 @@ def test_malformed_messages_get_error_codes(tmp_path):
 
         codes = asyncio.run(probe())
         assert codes == {
-            "garbage": ErrorCode.MALFORMED, "huge_header": ErrorCode.TOO_LARGE, "bad_version": ErrorCode.BAD_VERSION,
-            "wrong_run": ErrorCode.WRONG_RUN, "wrong_type": ErrorCode.MALFORMED,
-            "unauthorized": ErrorCode.UNAUTHORIZED, "stalled": ErrorCode.TIMEOUT,  # neither is a fault
+            "garbage": ErrorCode.MALFORMED,
+            "huge_header": ErrorCode.TOO_LARGE,
+            "bad_version": ErrorCode.BAD_VERSION,
+            "wrong_run": ErrorCode.WRONG_RUN,
+            "wrong_type": ErrorCode.MALFORMED,
+            "unauthorized": ErrorCode.UNAUTHORIZED,
+            "stalled": ErrorCode.TIMEOUT,  # neither is a fault
             "pull": ErrorCode.NOT_READY,  # a member asking for a payload we do not hold for it: not a fault
-            "oversized": ErrorCode.TOO_LARGE, "bad_shape": ErrorCode.BAD_SHAPE,
-            "unknown_tensor": ErrorCode.UNEXPECTED_TENSOR, "nan": ErrorCode.NOT_FINITE,
+            "oversized": ErrorCode.TOO_LARGE,
+            "bad_shape": ErrorCode.BAD_SHAPE,
+            "unknown_tensor": ErrorCode.UNEXPECTED_TENSOR,
+            "nan": ErrorCode.NOT_FINITE,
             # max_faults_before_ban = 9, and 9 faults so far: banned before anything it sends is read.
             "after_nine_faults": ErrorCode.BANNED,
         }
@@ -327,10 +373,30 @@ def test_local_swarm_command(tmp_path, algo):
     """`locomm-peer swarm` runs every daemon algorithm end to end and cleans up after itself."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "locomm.cli.main", "swarm", "--peers", "2", "--rounds", "4",
-                             "--inner-steps", "10", "--algo", algo, "--json", "--plot", str(tmp_path / "loss.png")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "TMPDIR": str(tmpdir)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "swarm",
+            "--peers",
+            "2",
+            "--rounds",
+            "4",
+            "--inner-steps",
+            "10",
+            "--algo",
+            algo,
+            "--json",
+            "--plot",
+            str(tmp_path / "loss.png"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+    )
     seen: dict[int, bytes] = {}
     try:
         deadline = time.monotonic() + 400
@@ -389,10 +455,28 @@ def test_swarm_ctrl_c_stops_everything(tmp_path, when):
     """
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "locomm.cli.main", "swarm", "--peers", "2", "--rounds", "500",
-                             "--inner-steps", "10", "--json", "--plot", str(tmp_path / "loss.png")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "TMPDIR": str(tmpdir)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "swarm",
+            "--peers",
+            "2",
+            "--rounds",
+            "500",
+            "--inner-steps",
+            "10",
+            "--json",
+            "--plot",
+            str(tmp_path / "loss.png"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+    )
     seen: dict[int, bytes] = {}
     try:
         deadline = time.monotonic() + 180
@@ -403,8 +487,11 @@ def test_swarm_ctrl_c_stops_everything(tmp_path, when):
             daemons = [p for p, a in seen.items() if b"p2pd" in a and alive(p)]
             if when == "starting" and seen:  # the first peer process exists; it may not be up yet
                 break
-            if when == "training" and len(daemons) >= 2 and any(
-                    '"event": "round"' in f.read_text() for f in tmpdir.glob("locomm-swarm-*/peer*.jsonl")):
+            if (
+                when == "training"
+                and len(daemons) >= 2
+                and any('"event": "round"' in f.read_text() for f in tmpdir.glob("locomm-swarm-*/peer*.jsonl"))
+            ):
                 break
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)

@@ -120,8 +120,9 @@ def test_projection_invariant_after_100_steps():
 
 
 def test_wire_bytes_and_bad_input():
-    spec = nano_spec().replace("compression", activation="subspace+bf16+lossless",
-                               act_gradient="subspace+bf16+lossless")
+    spec = nano_spec().replace(
+        "compression", activation="subspace+bf16+lossless", act_gradient="subspace+bf16+lossless"
+    )
     geo = Geometry.of(spec)
     coder = BoundaryCoder(spec, geo)
     plain = BoundaryCoder(spec, Geometry.of(spec, subspace=False))
@@ -134,7 +135,7 @@ def test_wire_bytes_and_bad_input():
     small, big = coder.encode_activation(h, x), plain.encode_activation(h, x)
     tokens = x.numel()
     assert len(small) / tokens < 2 * geo.k + 8  # bf16 z (2k bytes) plus framing, lossless on top
-    assert len(big) / tokens > 1.2 * geo.d      # bf16 h: about 2 d bytes before lossless coding
+    assert len(big) / tokens > 1.2 * geo.d  # bf16 h: about 2 d bytes before lossless coding
     tok = coder.encode_window(w)
     assert torch.equal(coder.decode_window(tok, 2, spec.data.seq_len), w)
     with pytest.raises(CodecError):
@@ -188,8 +189,20 @@ def test_status_shows_stage_replicas():
 
     from locomm.peer.status import render
 
-    peers = [{"peer": f"12D3Koo{i}xxxxxxxxxx", "round": 1, "step": 3, "loss": 2.0 if s == 0 else None, "stage": s,
-              "mb_per_s": 1.5, "rerouted": i, "lost": 0, "heartbeat_age_s": 1.0} for i, s in enumerate([0, 0, 1])]
+    peers = [
+        {
+            "peer": f"12D3Koo{i}xxxxxxxxxx",
+            "round": 1,
+            "step": 3,
+            "loss": 2.0 if s == 0 else None,
+            "stage": s,
+            "mb_per_s": 1.5,
+            "rerouted": i,
+            "lost": 0,
+            "heartbeat_age_s": 1.0,
+        }
+        for i, s in enumerate([0, 0, 1])
+    ]
     console = Console(width=200, record=True)
     console.print(render({"run": "r", "peers": peers}))
     text = console.export_text()
@@ -203,10 +216,17 @@ def test_stage_auto_picks_the_stage_with_fewest_fresh_replicas():
     def beat(peer: str, stage: int, age: float, **f) -> Heartbeat:
         return Heartbeat(peer, 0, 0, {"stage": stage, "time": 100.0 - age, **f}, 1e9)
 
-    beats = [beat("a", 0, 1), beat("b", 0, 1), beat("c", 1, 1), beat("d", 1, 20), beat("e", 2, 1),
-             beat("f", 2, 1, finished=True), beat("g", -1, 1)]
-    assert pick_stage(beats, 3, "me", now=100.0) == 2           # the finished one does not count
-    assert pick_stage(beats, 3, "me", fresh_s=5.0, now=100.0) == 1   # d's heartbeat is 20 s old: dead
+    beats = [
+        beat("a", 0, 1),
+        beat("b", 0, 1),
+        beat("c", 1, 1),
+        beat("d", 1, 20),
+        beat("e", 2, 1),
+        beat("f", 2, 1, finished=True),
+        beat("g", -1, 1),
+    ]
+    assert pick_stage(beats, 3, "me", now=100.0) == 2  # the finished one does not count
+    assert pick_stage(beats, 3, "me", fresh_s=5.0, now=100.0) == 1  # d's heartbeat is 20 s old: dead
     assert pick_stage([], 2, "me") == 0
 
 
@@ -217,14 +237,35 @@ def test_simulate_pipeline_cli_json(tmp_path):
 
     cfg = tmp_path / "run.toml"
     nano_spec(stages=2, layers=2).replace("train", eval_batches=1).save(cfg)
-    out = subprocess.run([sys.executable, "-m", "locomm.cli.main", "simulate", "--pipeline", "2x2", "--config",
-                          str(cfg), "--rounds", "1", "--inner-steps", "2", "--json"],
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "simulate",
+            "--pipeline",
+            "2x2",
+            "--config",
+            str(cfg),
+            "--rounds",
+            "1",
+            "--inner-steps",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["stages"] == 2 and r["replicas"] == 2 and r["steps"] == 2 and r["subspace"] is True
     for key in ("final_val_loss", "tokens_per_s", "bubble_fraction", "bytes_per_token_per_boundary"):
         assert isinstance(r[key], float), key
-    bad = subprocess.run([sys.executable, "-m", "locomm.cli.main", "simulate", "--pipeline", "2by2"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "locomm.cli.main", "simulate", "--pipeline", "2by2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "STAGESxREPLICAS" in bad.stderr

@@ -22,8 +22,14 @@ pytestmark = pytest.mark.timeout(420)
 def pipe_spec() -> RunSpec:
     spec = RunSpec.preset("nano").replace("data", batch_size=8, seq_len=64, max_corpus_mb=1.0)
     spec = spec.replace("train", steps=16, eval_batches=2)
-    spec = spec.replace("network", request_timeout_s=10.0, stall_timeout_s=10.0, heartbeat_interval_s=1.0,
-                        heartbeat_ttl_s=10.0, max_wait_s=30.0)
+    spec = spec.replace(
+        "network",
+        request_timeout_s=10.0,
+        stall_timeout_s=10.0,
+        heartbeat_interval_s=1.0,
+        heartbeat_ttl_s=10.0,
+        max_wait_s=30.0,
+    )
     spec = spec.replace("outer", algo="noloco", inner_steps=4)
     return spec.replace("pipeline", stages=2, micro_batch_size=4, in_flight=2, stage_timeout_s=20.0)
 
@@ -58,26 +64,47 @@ async def probe(boot: str, spec: RunSpec) -> dict[str, list[int]]:
         nan_h = torch.full((B, T, spec.model.d_model), float("nan"))
 
         def frame(tok_b: bytes, act_b: bytes, **over) -> bytes:
-            h = {"v": PROTOCOL_VERSION, "run": run, "type": "fwd", "round": 0, "sender": me, "stage": 1,
-                 "origin": me, "mb": 1, "batch": B, "seq": T,
-                 "tensors": [{"name": "tokens", "codec": "none", "nbytes": len(tok_b)},
-                             {"name": "h", "codec": coder.act_stack, "nbytes": len(act_b)}], **over}
+            h = {
+                "v": PROTOCOL_VERSION,
+                "run": run,
+                "type": "fwd",
+                "round": 0,
+                "sender": me,
+                "stage": 1,
+                "origin": me,
+                "mb": 1,
+                "batch": B,
+                "seq": T,
+                "tensors": [
+                    {"name": "tokens", "codec": "none", "nbytes": len(tok_b)},
+                    {"name": "h", "codec": coder.act_stack, "nbytes": len(act_b)},
+                ],
+                **over,
+            }
             raw = msgpack.packb(h)
-            return (len(raw).to_bytes(4, "big") + raw + len(tok_b).to_bytes(4, "big") + tok_b
-                    + len(act_b).to_bytes(4, "big") + act_b)
+            return (
+                len(raw).to_bytes(4, "big")
+                + raw
+                + len(tok_b).to_bytes(4, "big")
+                + tok_b
+                + len(act_b).to_bytes(4, "big")
+                + act_b
+            )
 
         # The subspace codec of a NaN h gives NaN z: the receiver rebuilds a non-finite h.
         nan_act = coder.encode_activation(nan_h, x)
         cases = [
-            frame(tok, good, stage=0),                       # a stale route: NOT_READY, not a fault
-            frame(tok[:-2], good),                           # token part of the wrong size: BAD_SHAPE
-            frame(tok, b"\x00garbage" * 40),                 # undecodable activation: BAD_PAYLOAD
-            frame(tok, nan_act),                             # non-finite activation: NOT_FINITE
-            frame(tok, good),                                # three faults: banned
+            frame(tok, good, stage=0),  # a stale route: NOT_READY, not a fault
+            frame(tok[:-2], good),  # token part of the wrong size: BAD_SHAPE
+            frame(tok, b"\x00garbage" * 40),  # undecodable activation: BAD_PAYLOAD
+            frame(tok, nan_act),  # non-finite activation: NOT_FINITE
+            frame(tok, good),  # three faults: banned
         ]
+
         async def send(target: str, raw: bytes) -> int:
-            _, reader, writer = await client.call_binary_stream_handler(PeerID.from_base58(target),
-                                                                        f"locomm.{run}.stage")
+            _, reader, writer = await client.call_binary_stream_handler(
+                PeerID.from_base58(target), f"locomm.{run}.stage"
+            )
             try:
                 writer.write(raw)
                 await writer.drain()
@@ -115,8 +142,9 @@ def test_pipeline_swarm_trains_routes_around_a_dead_replica_and_answers_bad_fram
     result: dict = {}
 
     def swarm() -> None:
-        result.update(run_pipeline_swarm(spec, stages=2, replicas=2, quiet=True, kill_at_step=6,
-                                         bootstrap_file=boot_file))
+        result.update(
+            run_pipeline_swarm(spec, stages=2, replicas=2, quiet=True, kill_at_step=6, bootstrap_file=boot_file)
+        )
 
     t = threading.Thread(target=swarm)
     t.start()

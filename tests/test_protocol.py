@@ -36,6 +36,7 @@ def drift(thetas, seed):
 
 # ------------------------------------------------------------------------------- schedule
 
+
 def test_groups_partition_and_are_deterministic():
     members = [3, 9, 1, 7, 5, 11, 2]
     for r in range(5):
@@ -63,6 +64,7 @@ def test_gasloc_graphs():
 
 
 # -------------------------------------------------------------------------------- DiLoCo
+
 
 def test_diloco_matches_torch_nesterov_sgd():
     cfg = OuterConfig(algo="diloco", lr=0.7, momentum=0.9)
@@ -98,6 +100,7 @@ def test_diloco_goes_on_with_who_answered():
 
 # -------------------------------------------------------------------------------- NoLoCo
 
+
 def noloco_reference(phi, theta, m, group, alpha, beta, gamma):
     dbar = sum(theta[j] - phi[j] for j in group) / len(group)
     pbar = sum(phi[j] for j in group) / len(group)
@@ -121,8 +124,15 @@ def test_noloco_matches_reference(gamma):
         drift(thetas, 50 + r)
         for group in noloco_groups(r, members, 2, cfg.seed):
             for k in SHAPES:
-                new_phi, new_m = noloco_reference({j: phi[j][k] for j in group}, {j: thetas[j][k] for j in group},
-                                                  {j: m[j][k] for j in group}, group, 0.7, 0.5, g)
+                new_phi, new_m = noloco_reference(
+                    {j: phi[j][k] for j in group},
+                    {j: thetas[j][k] for j in group},
+                    {j: m[j][k] for j in group},
+                    group,
+                    0.7,
+                    0.5,
+                    g,
+                )
                 for j in group:
                     phi[j][k], m[j][k] = new_phi[j], new_m[j]
         run_round(algos, thetas, r, members)
@@ -145,6 +155,7 @@ def test_noloco_alone_is_a_local_step():
 
 
 # -------------------------------------------------------------------------------- GASLoC
+
 
 def test_gasloc_complete_graph_reproduces_diloco():
     members = [0, 1, 2, 3]
@@ -186,8 +197,7 @@ def test_gasloc_gossip_keeps_the_mean(topology):
     thetas = {i: rand_params(i) for i in members}
     algos = {i: GASLoC(cfg, thetas[i], i) for i in members}
     drift(thetas, 3)
-    y_mean = {k: sum(algos[i].phi[k] + 0.5 * (thetas[i][k] - algos[i].phi[k]) for i in members) / 7
-              for k in SHAPES}
+    y_mean = {k: sum(algos[i].phi[k] + 0.5 * (thetas[i][k] - algos[i].phi[k]) for i in members) / 7 for k in SHAPES}
     spread_before = sum(float((thetas[i]["a"] - y_mean["a"]).norm()) for i in members)
     run_round(algos, thetas, 0, members)
     for k in SHAPES:
@@ -212,6 +222,7 @@ def test_gasloc_non_participant_keeps_training():
 
 
 # ---------------------------------------------------------------------------- SparseLoCo
+
 
 class DenseCodec:
     """Identity 'codec' so the outer rule can be checked on its own."""
@@ -264,6 +275,7 @@ def test_sparseloco_paper_rule_is_the_mean_over_all_workers():
 
 
 # ----------------------------------------------------------------------------------- DDP
+
 
 def test_ddp_averages_gradients_of_who_answered():
     grads = {i: rand_params(i) for i in range(3)}

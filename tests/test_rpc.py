@@ -24,8 +24,17 @@ from locomm import PROTOCOL_VERSION
 from locomm.compression.payload import MIN_PART_ELEMS, PayloadCodec
 from locomm.peer.gossip import Faults, Gossip
 from locomm.peer.rpc import Limits, Link, Meter, RpcServer, Service, TransferCut
-from locomm.protocol.messages import (FAULT_CODES, HEADER_LEN, MAX_HEADER_BYTES, PART_LEN, ErrorCode,
-                                      ProtocolViolation, envelope, pack_frame, push_header)
+from locomm.protocol.messages import (
+    FAULT_CODES,
+    HEADER_LEN,
+    MAX_HEADER_BYTES,
+    PART_LEN,
+    ErrorCode,
+    ProtocolViolation,
+    envelope,
+    pack_frame,
+    push_header,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,7 +82,7 @@ def answers(buf: bytes | bytearray) -> list[dict]:
     while off < len(buf):
         n = HEADER_LEN.unpack_from(buf, off)[0]
         off += HEADER_LEN.size
-        out.append(msgpack.unpackb(bytes(buf[off:off + n]), raw=False))
+        out.append(msgpack.unpackb(bytes(buf[off : off + n]), raw=False))
         off += n
     assert off == len(buf), "trailing bytes after the last answer"
     return out
@@ -107,8 +116,16 @@ def pool():
 class Harness:
     """An RpcServer with a real Gossip service, Faults wired to on_fault, and a log of faults."""
 
-    def __init__(self, pool, limits: Limits = LIMITS, *, authorize=None, codec=None, max_faults: int = 3,
-                 max_body_bytes: int = 1 << 26) -> None:
+    def __init__(
+        self,
+        pool,
+        limits: Limits = LIMITS,
+        *,
+        authorize=None,
+        codec=None,
+        max_faults: int = 3,
+        max_body_bytes: int = 1 << 26,
+    ) -> None:
         self.faults = Faults(max_faults)
         self.fault_log: list[tuple[str, str]] = []
 
@@ -117,14 +134,37 @@ class Harness:
             self.faults.record(peer, why)
 
         self.p2p = StubP2P()
-        self.server = RpcServer(self.p2p, RUN, limits, pool, authorize=authorize,
-                                is_banned=lambda p: p in self.faults.banned, on_fault=on_fault)
+        self.server = RpcServer(
+            self.p2p,
+            RUN,
+            limits,
+            pool,
+            authorize=authorize,
+            is_banned=lambda p: p in self.faults.banned,
+            on_fault=on_fault,
+        )
         self.codec = codec or make_codec()
-        self.gossip = Gossip(None, self.server, run_id=RUN, me=ME, codec=self.codec, limits=limits,
-                             faults=self.faults, max_body_bytes=max_body_bytes)
+        self.gossip = Gossip(
+            None,
+            self.server,
+            run_id=RUN,
+            me=ME,
+            codec=self.codec,
+            limits=limits,
+            faults=self.faults,
+            max_body_bytes=max_body_bytes,
+        )
 
-    async def request(self, data: bytes, *, remote: str = SENDER, eof: bool = True, service: Service | None = None,
-                      eof_after_answer: bool = False, check_leaks: bool = True) -> list[dict]:
+    async def request(
+        self,
+        data: bytes,
+        *,
+        remote: str = SENDER,
+        eof: bool = True,
+        service: Service | None = None,
+        eof_after_answer: bool = False,
+        check_leaks: bool = True,
+    ) -> list[dict]:
         """Serve one stream carrying ``data``; the answers written back."""
         reader = asyncio.StreamReader()
         reader.feed_data(data)
@@ -289,13 +329,16 @@ def _corrupt(codec, payload, kind):
     return b"".join(PART_LEN.pack(len(d)) + d for d in enc)
 
 
-@pytest.mark.parametrize("stack,kind,want", [
-    ("lossless", "garbage", ErrorCode.BAD_PAYLOAD),
-    ("lossless", "flipped", ErrorCode.BAD_PAYLOAD),
-    ("lossless", "other_part", ErrorCode.BAD_SHAPE),
-    ("none", "other_part", ErrorCode.BAD_SHAPE),
-    ("none", "nan", ErrorCode.NOT_FINITE),
-])
+@pytest.mark.parametrize(
+    "stack,kind,want",
+    [
+        ("lossless", "garbage", ErrorCode.BAD_PAYLOAD),
+        ("lossless", "flipped", ErrorCode.BAD_PAYLOAD),
+        ("lossless", "other_part", ErrorCode.BAD_SHAPE),
+        ("none", "other_part", ErrorCode.BAD_SHAPE),
+        ("none", "nan", ErrorCode.NOT_FINITE),
+    ],
+)
 def test_bad_payload_parts_get_their_code(pool, stack, kind, want):
     async def body():
         h = Harness(pool, codec=make_codec(stack))
@@ -312,13 +355,16 @@ def test_bad_payload_parts_get_their_code(pool, stack, kind, want):
     run(body())
 
 
-@pytest.mark.parametrize("fields,want", [
-    ({"parts": [[0, 0, 999]]}, ErrorCode.BAD_SHAPE),
-    ({"parts": []}, ErrorCode.MALFORMED),
-    ({"enc": {"evil": 1}}, ErrorCode.UNEXPECTED_TENSOR),
-    ({"streams": 0}, ErrorCode.MALFORMED),
-    ({"xfer": "x"}, ErrorCode.MALFORMED),
-])
+@pytest.mark.parametrize(
+    "fields,want",
+    [
+        ({"parts": [[0, 0, 999]]}, ErrorCode.BAD_SHAPE),
+        ({"parts": []}, ErrorCode.MALFORMED),
+        ({"enc": {"evil": 1}}, ErrorCode.UNEXPECTED_TENSOR),
+        ({"streams": 0}, ErrorCode.MALFORMED),
+        ({"xfer": "x"}, ErrorCode.MALFORMED),
+    ],
+)
 def test_bad_transfer_layouts_are_faults(pool, fields, want):
     async def body():
         h = Harness(pool)
@@ -378,7 +424,7 @@ def test_stream_ending_inside_the_header_is_not_a_fault(pool, cut):
     async def body():
         h = Harness(pool)
         frame = push_frame(h.codec)
-        data = {"empty_stream": b"", "inside_prefix": frame[:2], "inside_header": frame[:len(frame) // 2]}[cut]
+        data = {"empty_stream": b"", "inside_prefix": frame[:2], "inside_header": frame[: len(frame) // 2]}[cut]
         await h.request(data)
         assert h.fault_log == []
 
@@ -459,8 +505,9 @@ def test_faults_are_counted_exactly_for_fault_codes(pool, code):
     run(body())
 
 
-@pytest.mark.parametrize("exc,want", [(TransferCut("slow"), ErrorCode.TIMEOUT),
-                                      (RuntimeError("bug"), ErrorCode.INTERNAL)])
+@pytest.mark.parametrize(
+    "exc,want", [(TransferCut("slow"), ErrorCode.TIMEOUT), (RuntimeError("bug"), ErrorCode.INTERNAL)]
+)
 def test_slowness_and_our_own_bugs_are_not_faults(pool, exc, want):
     async def handler(call) -> None:
         raise exc
@@ -474,11 +521,25 @@ def test_slowness_and_our_own_bugs_are_not_faults(pool, exc, want):
 
 
 def test_fault_codes_are_exactly_the_violations():
-    assert FAULT_CODES == {ErrorCode.BAD_VERSION, ErrorCode.WRONG_RUN, ErrorCode.MALFORMED, ErrorCode.TOO_LARGE,
-                           ErrorCode.UNEXPECTED_TENSOR, ErrorCode.BAD_SHAPE, ErrorCode.BAD_PAYLOAD,
-                           ErrorCode.NOT_FINITE}
-    assert not FAULT_CODES & {ErrorCode.TIMEOUT, ErrorCode.UNAUTHORIZED, ErrorCode.BANNED, ErrorCode.NOT_READY,
-                              ErrorCode.STALE_ROUND, ErrorCode.INTERNAL, ErrorCode.OK}
+    assert FAULT_CODES == {
+        ErrorCode.BAD_VERSION,
+        ErrorCode.WRONG_RUN,
+        ErrorCode.MALFORMED,
+        ErrorCode.TOO_LARGE,
+        ErrorCode.UNEXPECTED_TENSOR,
+        ErrorCode.BAD_SHAPE,
+        ErrorCode.BAD_PAYLOAD,
+        ErrorCode.NOT_FINITE,
+    }
+    assert not FAULT_CODES & {
+        ErrorCode.TIMEOUT,
+        ErrorCode.UNAUTHORIZED,
+        ErrorCode.BANNED,
+        ErrorCode.NOT_READY,
+        ErrorCode.STALE_ROUND,
+        ErrorCode.INTERNAL,
+        ErrorCode.OK,
+    }
 
 
 def test_a_stalled_partial_transfer_does_not_block_the_pull(pool):
@@ -490,8 +551,9 @@ def test_a_stalled_partial_transfer_does_not_block_the_pull(pool):
         parts = h.codec.parts()
         three = b"".join(PART_LEN.pack(len(d)) + d for d in (h.codec.encode_part(theirs, p) for p in parts[:3]))
         # Their push is cut after three of four parts: the partial Incoming stays (for another stream or a pull).
-        assert status(await h.request(push_frame(h.codec) + three, eof=False, eof_after_answer=True)) == \
-            ErrorCode.TIMEOUT
+        assert (
+            status(await h.request(push_frame(h.codec) + three, eof=False, eof_after_answer=True)) == ErrorCode.TIMEOUT
+        )
         assert (SENDER, 0) in g.incoming
         pulled = []
 
@@ -504,8 +566,9 @@ def test_a_stalled_partial_transfer_does_not_block_the_pull(pool):
 
         g.push, g.pull = push, pull
         await asyncio.sleep(0.35)  # the partial transfer is no longer moving
-        await asyncio.wait_for(g.exchange(0, [SENDER], make_payload(h.codec, 2), eta=lambda p: time.monotonic() - 1),
-                               30)
+        await asyncio.wait_for(
+            g.exchange(0, [SENDER], make_payload(h.codec, 2), eta=lambda p: time.monotonic() - 1), 30
+        )
         assert pulled == [SENDER]
 
     run(body())
@@ -689,8 +752,12 @@ def test_chunked_decode_stays_inside_its_memory_bound():
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs /proc/self/clear_refs to reset the peak RSS")
     mb = 200
-    proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(mb), str(Path(__file__).parent)],
-                          capture_output=True, text=True, timeout=110)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, str(mb), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["status"] == ErrorCode.OK and r["exact"]
@@ -717,8 +784,8 @@ def test_state_fetch_is_served_from_the_previous_snapshot_too(pool):
             writer = FakeWriter()
             await asyncio.wait_for(h.server._serve(server.service(), SENDER, reader, writer), 30)
             n = HEADER_LEN.unpack_from(writer.buf, 0)[0]
-            head = msgpack.unpackb(bytes(writer.buf[HEADER_LEN.size:HEADER_LEN.size + n]), raw=False)
-            return head, bytes(writer.buf[HEADER_LEN.size + n + PART_LEN.size:])
+            head = msgpack.unpackb(bytes(writer.buf[HEADER_LEN.size : HEADER_LEN.size + n]), raw=False)
+            return head, bytes(writer.buf[HEADER_LEN.size + n + PART_LEN.size :])
 
         server.snapshot = states[0]
         server.snapshot = states[1]  # the round moved on while the joiner fetched states[0]'s manifest

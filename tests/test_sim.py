@@ -40,13 +40,18 @@ def test_heterogeneity_spreads_speeds():
 
 def test_barrier_vs_pairs_with_a_straggler():
     """The all-reduce waits on the slowest worker every round; pairs wait only on their partner."""
-    net = NetworkModel(up_bps=(1e9,) * 4, down_bps=(1e9,) * 4, speed=(1.0, 1.0, 1.0, 0.1), latency_s=0.0,
-                       step_s=0.1)
+    net = NetworkModel(up_bps=(1e9,) * 4, down_bps=(1e9,) * 4, speed=(1.0, 1.0, 1.0, 0.1), latency_s=0.0, step_s=0.1)
     members = [0, 1, 2, 3]
-    allreduce = [RoundRecord(steps=1, bytes_sent={m: 0 for m in members}, kind="allreduce", peers={},
-                             members=members)]
-    pairs = [RoundRecord(steps=1, bytes_sent={m: 0 for m in members}, kind="direct",
-                         peers={0: [1], 1: [0], 2: [3], 3: [2]}, members=members)]
+    allreduce = [RoundRecord(steps=1, bytes_sent={m: 0 for m in members}, kind="allreduce", peers={}, members=members)]
+    pairs = [
+        RoundRecord(
+            steps=1,
+            bytes_sent={m: 0 for m in members},
+            kind="direct",
+            peers={0: [1], 1: [0], 2: [3], 3: [2]},
+            members=members,
+        )
+    ]
     tl_ar, _ = replay(allreduce, net, 4, overlap=False)
     tl_p, _ = replay(pairs, net, 4, overlap=False)
     assert tl_ar.clock == pytest.approx([1.0] * 4)
@@ -74,8 +79,13 @@ def test_flows_share_links_and_slow_ones_are_cut():
 def test_butterfly_allreduce_by_hand():
     """4 workers, hivemind's butterfly: group assembly, parts exchanged in parallel, the slowest member."""
     mbit = 1e6
-    net = NetworkModel(up_bps=(80 * mbit, 80 * mbit, 40 * mbit, 20 * mbit), down_bps=(80 * mbit, 80 * mbit,
-                       40 * mbit, 20 * mbit), speed=(1.0, 1.0, 1.0, 0.5), latency_s=0.01, step_s=1.0)
+    net = NetworkModel(
+        up_bps=(80 * mbit, 80 * mbit, 40 * mbit, 20 * mbit),
+        down_bps=(80 * mbit, 80 * mbit, 40 * mbit, 20 * mbit),
+        speed=(1.0, 1.0, 1.0, 0.5),
+        latency_s=0.01,
+        step_s=1.0,
+    )
     S = 4e6  # bytes per member: each link carries 2 * S * 3/4 = 6 MB = 48 Mbit; the 20 Mbit member takes 2.4 s
     assert net.butterfly_allreduce_s([0, 1, 2, 3], S) == pytest.approx(48 / 20 + 2 * 0.01)
     rec = RoundRecord(steps=2, bytes_sent={m: S for m in range(4)}, kind="butterfly", peers={}, members=[0, 1, 2, 3])
@@ -106,8 +116,11 @@ def test_butterfly_allreduce_by_hand():
 def test_a_late_partner_is_skipped_at_its_eta(nano_spec, nano_splits):
     """Worker 1 computes 1000x slower: worker 0 goes on without it at the ETA, worker 1 still gets 0's payload,
     and a replay of the network-free run on that network says its numerics would differ."""
-    spec = nano_spec.replace("outer", algo="noloco", inner_steps=2).replace("train", steps=4, eval_batches=1).replace(
-        "network", stall_timeout_s=0.5)
+    spec = (
+        nano_spec.replace("outer", algo="noloco", inner_steps=2)
+        .replace("train", steps=4, eval_batches=1)
+        .replace("network", stall_timeout_s=0.5)
+    )
     net = NetworkModel(up_bps=(1e9, 1e9), down_bps=(1e9, 1e9), speed=(1.0, 0.001), latency_s=0.001, step_s=0.01)
     live = Simulator(spec, 2, splits=nano_splits, network=net, codec="none")
     res = live.run(2)
@@ -158,16 +171,57 @@ def test_bad_simulations_are_clear_errors(nano_spec, nano_splits):
 
 
 def test_cli_simulate_json(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "locomm.cli.main", "simulate", "--algo", "gasloc", "--workers", "2",
-                          "--rounds", "2", "--inner-steps", "3", "--heterogeneity", "0.5", "--json"],
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "simulate",
+            "--algo",
+            "gasloc",
+            "--workers",
+            "2",
+            "--rounds",
+            "2",
+            "--inner-steps",
+            "3",
+            "--heterogeneity",
+            "0.5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("algo", "workers", "final_val_loss", "bytes_sent_per_worker", "sim_wall_clock_s",
-                "compute_utilisation", "overlap"):
+    for key in (
+        "algo",
+        "workers",
+        "final_val_loss",
+        "bytes_sent_per_worker",
+        "sim_wall_clock_s",
+        "compute_utilisation",
+        "overlap",
+    ):
         assert key in s
     assert s["workers"] == 2 and s["final_val_loss"] < s["initial_val_loss"] and s["overlap"] is True
     assert 0 < s["compute_utilisation"]["min"] <= s["compute_utilisation"]["mean"] <= 1
-    bad = subprocess.run([sys.executable, "-m", "locomm.cli.main", "simulate", "--algo", "noloco", "--workers", "2",
-                          "--inner-steps", "0"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "simulate",
+            "--algo",
+            "noloco",
+            "--workers",
+            "2",
+            "--inner-steps",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "inner_steps" in bad.stderr and "Traceback" not in bad.stderr

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_peer import run_pair, swarm_spec
 
 from locomm.config import RunSpec
 from locomm.sim import Simulator
-from test_peer import run_pair, swarm_spec
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -57,34 +57,50 @@ def test_checkpoint_from_other_spec_or_corrupt_is_refused(nano_spec, nano_splits
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "locomm.cli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "locomm.cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=240
+    )
 
 
 def test_cli_train_json(tmp_path):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[model]\npreset = "nano"\n[data]\nmax_corpus_mb = 1.0\nseq_len = 64\n'
-                   '[train]\neval_batches = 2\n')
-    out = run_cli("train", "--config", str(cfg), "--steps", "15", "--device", "cpu", "--json",
-                  "--checkpoint-dir", str(tmp_path / "ck"))
+    cfg.write_text('[model]\npreset = "nano"\n[data]\nmax_corpus_mb = 1.0\nseq_len = 64\n[train]\neval_batches = 2\n')
+    out = run_cli(
+        "train",
+        "--config",
+        str(cfg),
+        "--steps",
+        "15",
+        "--device",
+        "cpu",
+        "--json",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+    )
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("steps", "val_loss", "unigram_nats", "tokens_per_s"):
         assert key in summary
     assert summary["steps"] == 15 and summary["tokens_per_s"] > 0
     assert (tmp_path / "ck" / "checkpoint.safetensors").exists()
-    again = run_cli("train", "--config", str(cfg), "--steps", "15", "--json", "--checkpoint-dir",
-                    str(tmp_path / "ck"))
+    again = run_cli("train", "--config", str(cfg), "--steps", "15", "--json", "--checkpoint-dir", str(tmp_path / "ck"))
     assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from"] == 15
 
 
-@pytest.mark.parametrize("args, message", [
-    (["train", "--corpus", "/no/such/dir", "--preset", "nano"], "does not exist"),
-    (["train", "--config", "/no/such.toml"], "does not exist"),
-    (["train", "--preset", "nano", "--steps", "0"], "train.steps"),
-    (["train", "--preset", "nano", "--device", "cuda:0"] if not torch.cuda.is_available() else
-     ["train", "--preset", "nano", "--steps", "0"], "CUDA" if not torch.cuda.is_available() else "steps"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--corpus", "/no/such/dir", "--preset", "nano"], "does not exist"),
+        (["train", "--config", "/no/such.toml"], "does not exist"),
+        (["train", "--preset", "nano", "--steps", "0"], "train.steps"),
+        (
+            ["train", "--preset", "nano", "--device", "cuda:0"]
+            if not torch.cuda.is_available()
+            else ["train", "--preset", "nano", "--steps", "0"],
+            "CUDA" if not torch.cuda.is_available() else "steps",
+        ),
+    ],
+)
 def test_cli_errors_are_one_line(args, message):
     out = run_cli(*args)
     assert out.returncode == 2

@@ -15,9 +15,18 @@ from locomm.data import CorpusError
 
 
 def progress_bar(console: Console, quiet: bool) -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                    TimeRemainingColumn(), console=console, disable=quiet, transient=False)
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=quiet,
+        transient=False,
+    )
 
 
 def run_train(spec: RunSpec, *, device: str, checkpoint_dir: Path | None, quiet: bool) -> dict[str, Any]:
@@ -45,8 +54,10 @@ def run_train(spec: RunSpec, *, device: str, checkpoint_dir: Path | None, quiet:
 
         try:
             if not quiet:
-                console.print(f"locomm: preset {spec.model.preset}, {spec.train.steps} steps on {dev}, "
-                              f"torch {torch.__version__}, spec {spec.hash()[:12]}")
+                console.print(
+                    f"locomm: preset {spec.model.preset}, {spec.train.steps} steps on {dev}, "
+                    f"torch {torch.__version__}, spec {spec.hash()[:12]}"
+                )
             result = train(spec, device=dev, checkpoint_dir=checkpoint_dir, on_step=on_step, on_eval=on_eval)
         except (CorpusError, CheckpointError, FloatingPointError) as e:
             console.print(f"[red]error:[/] {e}")
@@ -57,15 +68,29 @@ def run_train(spec: RunSpec, *, device: str, checkpoint_dir: Path | None, quiet:
             sys.exit(130)
     out = result.as_json()
     if not quiet:
-        console.print(f"done: {out['steps']} steps, val {out['val_loss']:.4f} nats/byte "
-                      f"({out['val_bits_per_byte']:.3f} bits/byte; unigram {out['unigram_nats']:.4f}), "
-                      f"{out['tokens_per_s']:,.0f} tokens/s, {out['parameters']:,} parameters")
+        console.print(
+            f"done: {out['steps']} steps, val {out['val_loss']:.4f} nats/byte "
+            f"({out['val_bits_per_byte']:.3f} bits/byte; unigram {out['unigram_nats']:.4f}), "
+            f"{out['tokens_per_s']:,.0f} tokens/s, {out['parameters']:,} parameters"
+        )
     return out
 
 
-def run_simulation(spec: RunSpec, *, workers: int, rounds: int, link_bps: float, latency_s: float,
-                   heterogeneity: float, tflops: float, codec: str, eval_every: int, quiet: bool,
-                   plot: Path | None, overlap: bool = True) -> dict[str, Any]:
+def run_simulation(
+    spec: RunSpec,
+    *,
+    workers: int,
+    rounds: int,
+    link_bps: float,
+    latency_s: float,
+    heterogeneity: float,
+    tflops: float,
+    codec: str,
+    eval_every: int,
+    quiet: bool,
+    plot: Path | None,
+    overlap: bool = True,
+) -> dict[str, Any]:
     """Run the simulator with a progress bar over rounds; returns the JSON summary.
 
     The run lives on its network (the daemon's schedule and deadlines decide whose payload arrives in
@@ -79,8 +104,14 @@ def run_simulation(spec: RunSpec, *, workers: int, rounds: int, link_bps: float,
     try:
         params = build_model(spec.model).num_parameters()
         step_s = flops_step_s(params, spec.data.batch_size * spec.data.seq_len, tflops)
-        net = NetworkModel.build(workers, link_bps=link_bps, latency_s=latency_s, heterogeneity=heterogeneity,
-                                 step_s=step_s, seed=spec.train.seed)
+        net = NetworkModel.build(
+            workers,
+            link_bps=link_bps,
+            latency_s=latency_s,
+            heterogeneity=heterogeneity,
+            step_s=step_s,
+            seed=spec.train.seed,
+        )
         sim = Simulator(spec, workers, codec=codec, eval_every=eval_every, overlap=overlap, network=net)
     except (ConfigError, CorpusError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
@@ -99,27 +130,39 @@ def run_simulation(spec: RunSpec, *, workers: int, rounds: int, link_bps: float,
     tl = res.timeline
     wall, done, util = tl.wall(), res.round_done, tl.compute_utilisation()
     out = {
-        "algo": spec.outer.algo, "workers": workers, "rounds": rounds, "inner_steps": spec.outer.inner_steps,
-        "final_val_loss": res.final_val_loss, "initial_val_loss": res.val_loss[0],
+        "algo": spec.outer.algo,
+        "workers": workers,
+        "rounds": rounds,
+        "inner_steps": spec.outer.inner_steps,
+        "final_val_loss": res.final_val_loss,
+        "initial_val_loss": res.val_loss[0],
         "final_val_spread": res.val_spread[-1],
         "bytes_sent_per_worker": sum(res.bytes_sent) / workers,
         "bytes_received_per_worker": sum(res.bytes_received) / workers,
-        "sim_wall_clock_s": wall, "compute_utilisation": {"mean": sum(util) / len(util), "min": min(util),
-                                                          "per_worker": util},
-        "overlap": overlap, "partners_skipped": tl.skipped, "transfers_cut": tl.cut,
+        "sim_wall_clock_s": wall,
+        "compute_utilisation": {"mean": sum(util) / len(util), "min": min(util), "per_worker": util},
+        "overlap": overlap,
+        "partners_skipped": tl.skipped,
+        "transfers_cut": tl.cut,
         "max_weight_distance": sim.weight_distance(),
-        "link_bps": link_bps, "latency_s": latency_s, "heterogeneity": heterogeneity, "step_s": step_s,
-        "parameters": params, "real_wall_s": res.wall_s, "codec": codec,
-        "curve": {"steps": res.steps, "val_loss": res.val_loss,
-                  "sim_time_s": res.curve_times(done)},
+        "link_bps": link_bps,
+        "latency_s": latency_s,
+        "heterogeneity": heterogeneity,
+        "step_s": step_s,
+        "parameters": params,
+        "real_wall_s": res.wall_s,
+        "codec": codec,
+        "curve": {"steps": res.steps, "val_loss": res.val_loss, "sim_time_s": res.curve_times(done)},
     }
     if plot:
         write_plot(plot, [out])
     if not quiet:
-        console.print(f"{out['algo']} x{workers}: val {out['final_val_loss']:.4f} nats/byte "
-                      f"(from {out['initial_val_loss']:.3f}), {out['bytes_sent_per_worker'] / 1e6:.2f} MB sent "
-                      f"per worker, simulated {wall:.2f} s, compute utilisation {100 * sum(util) / len(util):.1f}% "
-                      f"mean, {100 * min(util):.1f}% min")
+        console.print(
+            f"{out['algo']} x{workers}: val {out['final_val_loss']:.4f} nats/byte "
+            f"(from {out['initial_val_loss']:.3f}), {out['bytes_sent_per_worker'] / 1e6:.2f} MB sent "
+            f"per worker, simulated {wall:.2f} s, compute utilisation {100 * sum(util) / len(util):.1f}% "
+            f"mean, {100 * min(util):.1f}% min"
+        )
     return out
 
 

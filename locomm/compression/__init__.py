@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from locomm.compression.base import Codec, CodecError, PartsCodec, TensorRole
 from locomm.compression.stack import CodecStack

@@ -168,8 +168,13 @@ def decode_chunk(
     for i in range(m):
         if n0 < 32:
             if p0 + 4 <= e0:
-                a0 = ((a0 << U32) | (np.uint64(stream[p0]) << U24) | (np.uint64(stream[p0 + 1]) << U16)
-                      | (np.uint64(stream[p0 + 2]) << U8) | np.uint64(stream[p0 + 3]))
+                a0 = (
+                    (a0 << U32)
+                    | (np.uint64(stream[p0]) << U24)
+                    | (np.uint64(stream[p0 + 1]) << U16)
+                    | (np.uint64(stream[p0 + 2]) << U8)
+                    | np.uint64(stream[p0 + 3])
+                )
             else:  # near the lane's end: shift in zeros past it (reported as an overrun below)
                 for _ in range(4):
                     b = np.uint64(0)
@@ -197,8 +202,13 @@ def decode_chunk(
         out[j] = ((r >> s) << (s + 8)) | (sym << s) | (r & lowmask)
         if n1 < 32:
             if p1 + 4 <= e1:
-                a1 = ((a1 << U32) | (np.uint64(stream[p1]) << U24) | (np.uint64(stream[p1 + 1]) << U16)
-                      | (np.uint64(stream[p1 + 2]) << U8) | np.uint64(stream[p1 + 3]))
+                a1 = (
+                    (a1 << U32)
+                    | (np.uint64(stream[p1]) << U24)
+                    | (np.uint64(stream[p1 + 1]) << U16)
+                    | (np.uint64(stream[p1 + 2]) << U8)
+                    | np.uint64(stream[p1 + 3])
+                )
             else:  # near the lane's end: shift in zeros past it (reported as an overrun below)
                 for _ in range(4):
                     b = np.uint64(0)
@@ -226,8 +236,13 @@ def decode_chunk(
         out[j] = ((r >> s) << (s + 8)) | (sym << s) | (r & lowmask)
         if n2 < 32:
             if p2 + 4 <= e2:
-                a2 = ((a2 << U32) | (np.uint64(stream[p2]) << U24) | (np.uint64(stream[p2 + 1]) << U16)
-                      | (np.uint64(stream[p2 + 2]) << U8) | np.uint64(stream[p2 + 3]))
+                a2 = (
+                    (a2 << U32)
+                    | (np.uint64(stream[p2]) << U24)
+                    | (np.uint64(stream[p2 + 1]) << U16)
+                    | (np.uint64(stream[p2 + 2]) << U8)
+                    | np.uint64(stream[p2 + 3])
+                )
             else:  # near the lane's end: shift in zeros past it (reported as an overrun below)
                 for _ in range(4):
                     b = np.uint64(0)
@@ -255,8 +270,13 @@ def decode_chunk(
         out[j] = ((r >> s) << (s + 8)) | (sym << s) | (r & lowmask)
         if n3 < 32:
             if p3 + 4 <= e3:
-                a3 = ((a3 << U32) | (np.uint64(stream[p3]) << U24) | (np.uint64(stream[p3 + 1]) << U16)
-                      | (np.uint64(stream[p3 + 2]) << U8) | np.uint64(stream[p3 + 3]))
+                a3 = (
+                    (a3 << U32)
+                    | (np.uint64(stream[p3]) << U24)
+                    | (np.uint64(stream[p3 + 1]) << U16)
+                    | (np.uint64(stream[p3 + 2]) << U8)
+                    | np.uint64(stream[p3 + 3])
+                )
             else:  # near the lane's end: shift in zeros past it (reported as an overrun below)
                 for _ in range(4):
                     b = np.uint64(0)
@@ -286,8 +306,13 @@ def decode_chunk(
         if 0 * q + i < n:
             if n0 < 32:
                 if p0 + 4 <= e0:
-                    a0 = ((a0 << U32) | (np.uint64(stream[p0]) << U24) | (np.uint64(stream[p0 + 1]) << U16)
-                          | (np.uint64(stream[p0 + 2]) << U8) | np.uint64(stream[p0 + 3]))
+                    a0 = (
+                        (a0 << U32)
+                        | (np.uint64(stream[p0]) << U24)
+                        | (np.uint64(stream[p0 + 1]) << U16)
+                        | (np.uint64(stream[p0 + 2]) << U8)
+                        | np.uint64(stream[p0 + 3])
+                    )
                 else:  # near the lane's end: shift in zeros past it (reported as an overrun below)
                     for _ in range(4):
                         b = np.uint64(0)
@@ -316,8 +341,13 @@ def decode_chunk(
         if 1 * q + i < n:
             if n1 < 32:
                 if p1 + 4 <= e1:
-                    a1 = ((a1 << U32) | (np.uint64(stream[p1]) << U24) | (np.uint64(stream[p1 + 1]) << U16)
-                          | (np.uint64(stream[p1 + 2]) << U8) | np.uint64(stream[p1 + 3]))
+                    a1 = (
+                        (a1 << U32)
+                        | (np.uint64(stream[p1]) << U24)
+                        | (np.uint64(stream[p1 + 1]) << U16)
+                        | (np.uint64(stream[p1 + 2]) << U8)
+                        | np.uint64(stream[p1 + 3])
+                    )
                 else:  # near the lane's end: shift in zeros past it (reported as an overrun below)
                     for _ in range(4):
                         b = np.uint64(0)
@@ -346,8 +376,13 @@ def decode_chunk(
         if 2 * q + i < n:
             if n2 < 32:
                 if p2 + 4 <= e2:
-                    a2 = ((a2 << U32) | (np.uint64(stream[p2]) << U24) | (np.uint64(stream[p2 + 1]) << U16)
-                          | (np.uint64(stream[p2 + 2]) << U8) | np.uint64(stream[p2 + 3]))
+                    a2 = (
+                        (a2 << U32)
+                        | (np.uint64(stream[p2]) << U24)
+                        | (np.uint64(stream[p2 + 1]) << U16)
+                        | (np.uint64(stream[p2 + 2]) << U8)
+                        | np.uint64(stream[p2 + 3])
+                    )
                 else:  # near the lane's end: shift in zeros past it (reported as an overrun below)
                     for _ in range(4):
                         b = np.uint64(0)
@@ -376,8 +411,13 @@ def decode_chunk(
         if 3 * q + i < n:
             if n3 < 32:
                 if p3 + 4 <= e3:
-                    a3 = ((a3 << U32) | (np.uint64(stream[p3]) << U24) | (np.uint64(stream[p3 + 1]) << U16)
-                          | (np.uint64(stream[p3 + 2]) << U8) | np.uint64(stream[p3 + 3]))
+                    a3 = (
+                        (a3 << U32)
+                        | (np.uint64(stream[p3]) << U24)
+                        | (np.uint64(stream[p3 + 1]) << U16)
+                        | (np.uint64(stream[p3 + 2]) << U8)
+                        | np.uint64(stream[p3 + 3])
+                    )
                 else:  # near the lane's end: shift in zeros past it (reported as an overrun below)
                     for _ in range(4):
                         b = np.uint64(0)
@@ -534,8 +574,13 @@ def seg_decode(
         for i in range(l, n, n_lanes):
             if nb < 32:
                 if p + 4 <= end:
-                    acc = ((acc << U32) | (np.uint64(stream[p]) << U24) | (np.uint64(stream[p + 1]) << U16)
-                           | (np.uint64(stream[p + 2]) << U8) | np.uint64(stream[p + 3]))
+                    acc = (
+                        (acc << U32)
+                        | (np.uint64(stream[p]) << U24)
+                        | (np.uint64(stream[p + 1]) << U16)
+                        | (np.uint64(stream[p + 2]) << U8)
+                        | np.uint64(stream[p + 3])
+                    )
                 else:  # past the lane's end: shift in zeros (reported as an overrun below)
                     for j in range(4):
                         c = np.uint64(0)

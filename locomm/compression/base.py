@@ -22,7 +22,8 @@ import enum
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -213,7 +214,7 @@ def unseal(magic: bytes, data: bytes | bytearray | memoryview) -> memoryview:
     if len(mv) < head_len + 4:
         raise CodecError(f"payload too short ({len(mv)} bytes)")
     if bytes(mv[: len(magic)]) != magic:
-        raise CodecError(f"bad magic {bytes(mv[:len(magic)])!r}, expected {magic!r}")
+        raise CodecError(f"bad magic {bytes(mv[: len(magic)])!r}, expected {magic!r}")
     if mv[len(magic)] != WIRE_VERSION:
         raise CodecError(f"unsupported wire version {mv[len(magic)]} (this build speaks {WIRE_VERSION})")
     (crc,) = struct.unpack("<I", mv[-4:])
@@ -312,7 +313,9 @@ class PartsCodec(Codec):
         return self.decode_parts(meta, parts, **context)
 
 
-def check_part(parts: list[torch.Tensor], i: int, shape: Sequence[int], dtypes: Sequence[torch.dtype] | None = None) -> torch.Tensor:
+def check_part(
+    parts: list[torch.Tensor], i: int, shape: Sequence[int], dtypes: Sequence[torch.dtype] | None = None
+) -> torch.Tensor:
     """Return ``parts[i]`` after checking it exists and has the expected shape/dtype."""
     if i >= len(parts):
         raise CodecError(f"missing part {i} (got {len(parts)})")

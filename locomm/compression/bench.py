@@ -24,7 +24,8 @@ import json
 import math
 import sys
 import time
-from typing import IO, Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -50,8 +51,9 @@ def exponent_bound_ratio(x: torch.Tensor) -> float | None:
     return wbits / (wbits - 8 + h)
 
 
-def model_tensors(preset: str = "nano", steps: int = 20, outer_steps: int = 2, seed: int = 0,
-                  seq_len: int = 64, batch: int = 8) -> list[tuple[str, torch.Tensor]]:
+def model_tensors(
+    preset: str = "nano", steps: int = 20, outer_steps: int = 2, seed: int = 0, seq_len: int = 64, batch: int = 8
+) -> list[tuple[str, torch.Tensor]]:
     """Real fp32 training tensors from the project's model (``locomm.model``).
 
     Trains ``outer_steps`` rounds of ``steps`` AdamW steps on byte tokens of
@@ -118,8 +120,14 @@ def _raw_bytes(x: torch.Tensor) -> bytes:
 def bench_one(spec: str, name: str, x: torch.Tensor, repeats: int = 3) -> dict[str, Any]:
     """One row: ``spec`` (a codec spec, ``zstd-3`` or ``lz4``) on tensor ``x``."""
     nbytes = x.numel() * x.element_size()
-    row: dict[str, Any] = {"codec": spec, "tensor": name, "dtype": str(x.dtype).replace("torch.", ""),
-                           "numel": x.numel(), "bytes_in": nbytes, "bound_ratio": exponent_bound_ratio(x)}
+    row: dict[str, Any] = {
+        "codec": spec,
+        "tensor": name,
+        "dtype": str(x.dtype).replace("torch.", ""),
+        "numel": x.numel(),
+        "bytes_in": nbytes,
+        "bound_ratio": exponent_bound_ratio(x),
+    }
     if spec in ("zstd-3", "lz4"):
         raw = _raw_bytes(x)
         if spec == "zstd-3":
@@ -147,8 +155,13 @@ def bench_one(spec: str, name: str, x: torch.Tensor, repeats: int = 3) -> dict[s
         td, y = _time(lambda: codec.decode(data), repeats)
         xf = x.float()
         err = float((xf - y.float()).norm() / xf.norm().clamp_min(1e-30)) if x.numel() else 0.0
-    row.update(bytes_out=len(data), ratio=nbytes / max(len(data), 1), encode_MBps=nbytes / te / 1e6,
-               decode_MBps=nbytes / td / 1e6, rel_error=err)
+    row.update(
+        bytes_out=len(data),
+        ratio=nbytes / max(len(data), 1),
+        encode_MBps=nbytes / te / 1e6,
+        decode_MBps=nbytes / td / 1e6,
+        rel_error=err,
+    )
     return row
 
 
@@ -170,9 +183,15 @@ def synthetic_tensors(quick: bool) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def run(json_lines: bool = False, quick: bool = False, codecs: Sequence[str] | None = None,
-        tensors: Iterable[tuple[str, torch.Tensor]] | None = None, real: bool = True,
-        repeats: int | None = None, file: IO[str] | None = None) -> list[dict[str, Any]]:
+def run(
+    json_lines: bool = False,
+    quick: bool = False,
+    codecs: Sequence[str] | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    real: bool = True,
+    repeats: int | None = None,
+    file: IO[str] | None = None,
+) -> list[dict[str, Any]]:
     """Benchmark codecs and print a rich table (or JSON lines); returns the rows.
 
     Args:
@@ -220,7 +239,15 @@ def _print_table(rows: list[dict[str, Any]], out: IO[str]) -> None:
     for col in ("tensor", "dtype", "MB", "codec", "ratio", "bound", "enc MB/s", "dec MB/s", "rel err"):
         table.add_column(col, justify="left" if col in ("tensor", "codec", "dtype") else "right")
     for r in rows:
-        table.add_row(r["tensor"], r["dtype"], f"{r['bytes_in'] / 1e6:.1f}", r["codec"], f"{r['ratio']:.3f}",
-                      "-" if r["bound_ratio"] is None else f"{r['bound_ratio']:.3f}", f"{r['encode_MBps']:.0f}",
-                      f"{r['decode_MBps']:.0f}", f"{r['rel_error']:.2e}")
+        table.add_row(
+            r["tensor"],
+            r["dtype"],
+            f"{r['bytes_in'] / 1e6:.1f}",
+            r["codec"],
+            f"{r['ratio']:.3f}",
+            "-" if r["bound_ratio"] is None else f"{r['bound_ratio']:.3f}",
+            f"{r['encode_MBps']:.0f}",
+            f"{r['decode_MBps']:.0f}",
+            f"{r['rel_error']:.2e}",
+        )
     Console(file=out, width=140).print(table)

@@ -51,8 +51,9 @@ import functools
 import math
 import struct
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Iterator, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -168,8 +169,16 @@ class LosslessCodec(Codec):
     name: ClassVar[str] = "lossless"
     lossless: ClassVar[bool] = True
 
-    def __init__(self, chunk_elems: int = 1 << 20, threads: int = 1, table: str = "auto", gap_bits: float = 0.02,
-                 layout: str = "segments", lane_syms: int = 1024, impl: str = "auto") -> None:
+    def __init__(
+        self,
+        chunk_elems: int = 1 << 20,
+        threads: int = 1,
+        table: str = "auto",
+        gap_bits: float = 0.02,
+        layout: str = "segments",
+        lane_syms: int = 1024,
+        impl: str = "auto",
+    ) -> None:
         from locomm.kernels import check_impl
 
         if layout not in LAYOUTS:
@@ -192,8 +201,10 @@ class LosslessCodec(Codec):
         self.gap_bits = float(gap_bits)
 
     def __repr__(self) -> str:
-        return (f"LosslessCodec(chunk_elems={self.chunk_elems}, threads={self.threads}, table={self.table!r}, "
-                f"layout={self.layout!r}, impl={self.impl!r})")
+        return (
+            f"LosslessCodec(chunk_elems={self.chunk_elems}, threads={self.threads}, table={self.table!r}, "
+            f"layout={self.layout!r}, impl={self.impl!r})"
+        )
 
     # ------------------------------------------------------------------ encode
 
@@ -226,7 +237,9 @@ class LosslessCodec(Codec):
         chunks = (words[i : i + self.chunk_elems] for i in starts)
         enc = self._encode_chunk if self.version == VERSION_LANES else self._encode_chunk_v2
         if self.threads > 1 and len(starts) > 1:
-            results: Iterator[list[bytes | memoryview]] = _pool(self.threads).map(functools.partial(enc, layout), chunks)
+            results: Iterator[list[bytes | memoryview]] = _pool(self.threads).map(
+                functools.partial(enc, layout), chunks
+            )
         else:
             results = (enc(layout, c) for c in chunks)
         for pieces in results:
@@ -263,7 +276,9 @@ class LosslessCodec(Codec):
         assert table is not None
         return mode, table, head, self._lane_bytes(table, lane_hist)
 
-    def pick(self, layout: _Layout, sym_hist: np.ndarray, n: int, lanes_bits: int) -> tuple[int, hf.Table | None, bytes]:
+    def pick(
+        self, layout: _Layout, sym_hist: np.ndarray, n: int, lanes_bits: int
+    ) -> tuple[int, hf.Table | None, bytes]:
         """A chunk's mode from its symbol histogram alone: (mode, table, mode header bytes).
 
         ``lanes_bits`` is what a coded chunk's lane sizes (and padding) cost
@@ -323,8 +338,12 @@ class LosslessCodec(Codec):
         entropy_bits = float(-(h * np.log2(h / n)).sum())
         return model.cross_entropy_bits(sym_hist) - entropy_bits > self.gap_bits * n
 
-    def _encode_chunk(self, layout: _Layout, words: np.ndarray,
-                      choice: tuple[int, hf.Table | None, bytes, np.ndarray | None] | None = None) -> list[bytes | memoryview]:
+    def _encode_chunk(
+        self,
+        layout: _Layout,
+        words: np.ndarray,
+        choice: tuple[int, hf.Table | None, bytes, np.ndarray | None] | None = None,
+    ) -> list[bytes | memoryview]:
         n = words.size
         mode, table, mode_head, lane_bytes = self._choose(layout, words) if choice is None else choice
         raw = np.empty(n * layout.nraw, dtype=np.uint8)
@@ -339,8 +358,16 @@ class LosslessCodec(Codec):
         offsets[1:] = np.cumsum(lane_bytes)
         stream = np.empty(int(offsets[-1]), dtype=np.uint8)
         kn.encode_chunk(
-            words, layout.s, layout.nraw, table.enc_codes, table.enc_lens, table.esc_code, table.esc_len,
-            stream, offsets, raw,
+            words,
+            layout.s,
+            layout.nraw,
+            table.enc_codes,
+            table.enc_lens,
+            table.esc_code,
+            table.esc_len,
+            stream,
+            offsets,
+            raw,
         )
         if mode == MODE_CONST:
             body = [bytes([mode]) + mode_head, memoryview(raw)]
@@ -370,8 +397,9 @@ class LosslessCodec(Codec):
 
     # ------------------------------------------------------------------ decode
 
-    def decode(self, data: bytes | bytearray | memoryview, device: str | torch.device | None = None,
-               **context: Any) -> torch.Tensor:
+    def decode(
+        self, data: bytes | bytearray | memoryview, device: str | torch.device | None = None, **context: Any
+    ) -> torch.Tensor:
         """Decode a payload of either version onto ``device`` (default CPU).
 
         A version-2 payload decoded onto a CUDA device (or with
@@ -392,7 +420,7 @@ class LosslessCodec(Codec):
         out = self._decode_cpu(p)
         return out if dev.type == "cpu" else out.to(dev)
 
-    def parse(self, data: bytes | bytearray | memoryview, check_crc: bool = True) -> "Parsed":
+    def parse(self, data: bytes | bytearray | memoryview, check_crc: bool = True) -> Parsed:
         """Check a payload's frame and header and split it into chunks (nothing decoded yet).
 
         With ``check_crc=False`` the caller checks the CRC itself (before it
@@ -439,7 +467,7 @@ class LosslessCodec(Codec):
         r.expect_end()
         return Parsed(mv, version, dtype, layout, shape, numel, chunk_elems, lane_syms, spans)
 
-    def chunk(self, p: "Parsed", c: int) -> "Chunk":
+    def chunk(self, p: Parsed, c: int) -> Chunk:
         """Parse chunk ``c``'s header: mode, table, lane and raw-plane positions (absolute in the payload)."""
         first, b0, b1 = p.spans[c]
         n = min(p.chunk_elems, p.numel - first)
@@ -484,7 +512,7 @@ class LosslessCodec(Codec):
         r.expect_end()
         return Chunk(mode, first, n, table, 0, offsets, raw0)
 
-    def _decode_cpu(self, p: "Parsed") -> torch.Tensor:
+    def _decode_cpu(self, p: Parsed) -> torch.Tensor:
         layout = p.layout
         out = torch.empty(p.numel, dtype=torch.int16 if layout.word.itemsize == 2 else torch.int32)
         out_words = out.numpy().view(layout.word)
@@ -502,7 +530,7 @@ class LosslessCodec(Codec):
         return out.view(p.dtype).reshape(p.shape)
 
     @staticmethod
-    def _decode_chunk(p: "Parsed", ch: "Chunk", buf: np.ndarray, out: np.ndarray) -> None:
+    def _decode_chunk(p: Parsed, ch: Chunk, buf: np.ndarray, out: np.ndarray) -> None:
         n, layout = ch.n, p.layout
         raw = buf[ch.raw0 : ch.raw0 + n * layout.nraw]
         if ch.mode == MODE_CONST:

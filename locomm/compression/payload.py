@@ -113,8 +113,14 @@ class PayloadCodec:
         part_elems: elements per part.
     """
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], roles: Mapping[str, str], compression: Any,
-                 encoded: Mapping[str, str] | None = None, part_elems: int = PART_ELEMS) -> None:
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        roles: Mapping[str, str],
+        compression: Any,
+        encoded: Mapping[str, str] | None = None,
+        part_elems: int = PART_ELEMS,
+    ) -> None:
         if not MIN_PART_ELEMS <= part_elems <= MAX_PART_ELEMS:
             raise ValueError(f"part_elems must be in [{MIN_PART_ELEMS}, {MAX_PART_ELEMS}], got {part_elems}")
         self.part_elems = part_elems
@@ -122,15 +128,24 @@ class PayloadCodec:
         plans = []
         for prefix, role in roles.items():
             role = TensorRole(role).value
-            stack = encoded.get(prefix) or (compression[role] if isinstance(compression, Mapping)
-                                            else getattr(compression, role))
+            stack = encoded.get(prefix) or (
+                compression[role] if isinstance(compression, Mapping) else getattr(compression, role)
+            )
             if not allowed_stack(stack):
-                raise ValueError(f"compression.{role}: unknown codec stack {stack!r}; "
-                                 f"codecs: {', '.join(available_codecs())}")
+                raise ValueError(
+                    f"compression.{role}: unknown codec stack {stack!r}; codecs: {', '.join(available_codecs())}"
+                )
             for k, shape in shapes.items():
                 dt = torch.float32 if prefix in encoded else wire_dtype(stack)
-                plans.append(TensorPlan(f"{prefix}/{k}", tuple(int(s) for s in shape), stack, _DTYPE_NAMES[dt],
-                                        encoded=prefix in encoded))
+                plans.append(
+                    TensorPlan(
+                        f"{prefix}/{k}",
+                        tuple(int(s) for s in shape),
+                        stack,
+                        _DTYPE_NAMES[dt],
+                        encoded=prefix in encoded,
+                    )
+                )
         self.tensors: list[TensorPlan] = sorted(plans, key=lambda t: t.name)
         self.index = {t.name: i for i, t in enumerate(self.tensors)}
         self._codecs: dict[str, Codec | None] = {}
@@ -170,8 +185,9 @@ class PayloadCodec:
     def check_names(self, payload: Mapping[str, Any]) -> None:
         if set(payload) != set(self.index):
             missing, extra = set(self.index) - set(payload), set(payload) - set(self.index)
-            raise KeyError(f"payload tensors differ from the plan: missing {sorted(missing)[:3]}, "
-                           f"extra {sorted(extra)[:3]}")
+            raise KeyError(
+                f"payload tensors differ from the plan: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}"
+            )
 
     # -- encode ------------------------------------------------------------------------
 
@@ -179,8 +195,8 @@ class PayloadCodec:
         t = self.tensors[part.tensor]
         v = payload[t.name]
         if t.encoded:
-            return bytes(memoryview(v)[part.start:part.start + part.count])
-        flat = v.detach().reshape(-1)[part.start:part.start + part.count]
+            return bytes(memoryview(v)[part.start : part.start + part.count])
+        flat = v.detach().reshape(-1)[part.start : part.start + part.count]
         codec = self.codec(t.codec)
         if codec is None:
             return bytes(tensor_bytes(flat.to(WIRE_DTYPES[t.dtype])))
@@ -204,7 +220,7 @@ class PayloadCodec:
         if t.encoded:
             if len(data) != part.count:
                 raise PayloadError("shape", f"{t.name}: {len(data)} bytes for a run of {part.count}")
-            dest[t.name][part.start:part.start + part.count] = data
+            dest[t.name][part.start : part.start + part.count] = data
             return
         want = WIRE_DTYPES[t.dtype]
         codec = self.codec(t.codec)
@@ -226,7 +242,7 @@ class PayloadCodec:
         x = x.reshape(-1)
         if x.is_floating_point() and not torch.isfinite(x).all():
             raise PayloadError("finite", f"{t.name}: non-finite values")
-        dest[t.name].view(-1)[part.start:part.start + part.count].copy_(x)
+        dest[t.name].view(-1)[part.start : part.start + part.count].copy_(x)
 
     def finish(self, dest: dict[str, Any]) -> dict[str, Any]:
         """Decode encoded values (whole) once all their runs arrived; returns {name: tensor}."""
@@ -239,8 +255,9 @@ class PayloadCodec:
             except Exception as e:  # noqa: BLE001 - foreign bytes
                 raise PayloadError("payload", f"{t.name}: {type(e).__name__}: {e}") from None
             if x is None or x.numel() != t.numel:
-                raise PayloadError("shape", f"{t.name}: decoded {None if x is None else x.numel()} values "
-                                   f"for {t.shape}")
+                raise PayloadError(
+                    "shape", f"{t.name}: decoded {None if x is None else x.numel()} values for {t.shape}"
+                )
             x = x.float().reshape(t.shape)
             if not torch.isfinite(x).all():
                 raise PayloadError("finite", f"{t.name}: non-finite values")

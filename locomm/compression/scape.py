@@ -30,7 +30,17 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from locomm.compression.base import MAX_SPARSE_NUMEL, CodecError, PartsCodec, Reader, Writer, check_part, code_dtype, dtype_code, numel_of
+from locomm.compression.base import (
+    MAX_SPARSE_NUMEL,
+    CodecError,
+    PartsCodec,
+    Reader,
+    Writer,
+    check_part,
+    code_dtype,
+    dtype_code,
+    numel_of,
+)
 
 IDX_ALL, IDX_BITMAP, IDX_GAPS = 0, 1, 2
 _MAX_VARINT_BYTES = 6  # gaps < 2**42 > MAX_NUMEL
@@ -49,8 +59,13 @@ class ScapeCodec(PartsCodec):
     name: ClassVar[str] = "scape"
     magic: ClassVar[bytes] = b"LCSC"
 
-    def __init__(self, sparsity: float = 0.9, value_dtype: torch.dtype | None = None, error_feedback: bool = True,
-                 max_numel: int = MAX_SPARSE_NUMEL) -> None:
+    def __init__(
+        self,
+        sparsity: float = 0.9,
+        value_dtype: torch.dtype | None = None,
+        error_feedback: bool = True,
+        max_numel: int = MAX_SPARSE_NUMEL,
+    ) -> None:
         if not 0 <= sparsity < 1:
             raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
         if value_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
@@ -107,7 +122,11 @@ class ScapeCodec(PartsCodec):
             values = u[idx].to(vdtype)
             w.u8(IDX_BITMAP if _bitmap_bytes(n) <= _gap_bytes(idx.numpy()) else IDX_GAPS)
             w.u64(idx.numel())
-            w.raw(_encode_bitmap(idx.numpy(), n) if _bitmap_bytes(n) <= _gap_bytes(idx.numpy()) else _encode_gaps(idx.numpy()))
+            w.raw(
+                _encode_bitmap(idx.numpy(), n)
+                if _bitmap_bytes(n) <= _gap_bytes(idx.numpy())
+                else _encode_gaps(idx.numpy())
+            )
             if self.error_feedback:
                 # sent; u keeps the off-mask residual (and the on-mask rounding error)
                 u[idx] = u[idx] - values.float()

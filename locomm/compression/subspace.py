@@ -34,7 +34,8 @@ from __future__ import annotations
 import fnmatch
 import functools
 import zlib
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -83,9 +84,18 @@ class SubspaceCodec(PartsCodec):
     name: ClassVar[str] = "subspace"
     magic: ClassVar[bytes] = b"LCSS"
 
-    def __init__(self, d: int, vocab_size: int, k: int | None = None, rate: int | None = None, seed: int = 0,
-                 fixed_std: float = 0.02, kind: str = "activation", include_tokens: bool = True,
-                 impl: str = "auto") -> None:
+    def __init__(
+        self,
+        d: int,
+        vocab_size: int,
+        k: int | None = None,
+        rate: int | None = None,
+        seed: int = 0,
+        fixed_std: float = 0.02,
+        kind: str = "activation",
+        include_tokens: bool = True,
+        impl: str = "auto",
+    ) -> None:
         from locomm.kernels import check_impl
 
         self.impl = check_impl(impl)
@@ -101,13 +111,19 @@ class SubspaceCodec(PartsCodec):
         self.kind = kind
         self.include_tokens = include_tokens
         self.U = make_basis(self.d, self.k, self.seed)  # (d, k)
-        self.E_f = make_fixed_embedding(self.vocab_size, self.d, self.seed, self.fixed_std) if kind == "activation" else None
+        self.E_f = (
+            make_fixed_embedding(self.vocab_size, self.d, self.seed, self.fixed_std) if kind == "activation" else None
+        )
         self.fingerprint = zlib.crc32(f"{self.d}/{self.k}/{self.vocab_size}/{self.seed}/{self.fixed_std!r}".encode())
 
     def __repr__(self) -> str:
-        return f"SubspaceCodec(d={self.d}, k={self.k}, vocab_size={self.vocab_size}, seed={self.seed}, kind={self.kind!r})"
+        return (
+            f"SubspaceCodec(d={self.d}, k={self.k}, vocab_size={self.vocab_size}, seed={self.seed}, kind={self.kind!r})"
+        )
 
-    def encode_parts(self, x: torch.Tensor, tokens: torch.Tensor | None = None, **context: Any) -> tuple[bytes, list[torch.Tensor]]:
+    def encode_parts(
+        self, x: torch.Tensor, tokens: torch.Tensor | None = None, **context: Any
+    ) -> tuple[bytes, list[torch.Tensor]]:
         if not x.is_floating_point() or x.ndim < 1 or x.shape[-1] != self.d:
             raise ValueError(f"expected a float tensor (..., {self.d}), got {x.dtype} {tuple(x.shape)}")
         from locomm.kernels import resolve_impl
@@ -143,8 +159,14 @@ class SubspaceCodec(PartsCodec):
             self._on_device[device] = (self.U.to(device), None if self.E_f is None else self.E_f.to(device))
         return self._on_device[device]
 
-    def decode_parts(self, meta: memoryview, parts: list[torch.Tensor], tokens: torch.Tensor | None = None,
-                     device: str | torch.device | None = None, **context: Any) -> torch.Tensor:
+    def decode_parts(
+        self,
+        meta: memoryview,
+        parts: list[torch.Tensor],
+        tokens: torch.Tensor | None = None,
+        device: str | torch.device | None = None,
+        **context: Any,
+    ) -> torch.Tensor:
         r = Reader(meta)
         if r.u32() != self.fingerprint:
             raise CodecError("subspace payload was made with a different basis (d, k, V, seed or std)")

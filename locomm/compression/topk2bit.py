@@ -39,7 +39,16 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from locomm.compression.base import MAX_SPARSE_NUMEL, CodecError, PartsCodec, Reader, Writer, code_dtype, dtype_code, numel_of
+from locomm.compression.base import (
+    MAX_SPARSE_NUMEL,
+    CodecError,
+    PartsCodec,
+    Reader,
+    Writer,
+    code_dtype,
+    dtype_code,
+    numel_of,
+)
 
 CHUNK = 64
 """Elements per top-k chunk (fixed: the index is 6 bits)."""
@@ -61,8 +70,15 @@ class TopK2BitCodec(PartsCodec):
     name: ClassVar[str] = "topk2bit"
     magic: ClassVar[bytes] = b"LCTK"
 
-    def __init__(self, k: int | None = None, density: float | None = None, beta: float = 0.95,
-                 error_feedback: bool = True, max_numel: int = MAX_SPARSE_NUMEL, impl: str = "auto") -> None:
+    def __init__(
+        self,
+        k: int | None = None,
+        density: float | None = None,
+        beta: float = 0.95,
+        error_feedback: bool = True,
+        max_numel: int = MAX_SPARSE_NUMEL,
+        impl: str = "auto",
+    ) -> None:
         from locomm.kernels import check_impl
 
         self.impl = check_impl(impl)
@@ -149,7 +165,9 @@ class TopK2BitCodec(PartsCodec):
             e.copy_(padded[:n])
         return packed.numpy().tobytes(), lo, hi
 
-    def _parse(self, meta: memoryview, parts: list[torch.Tensor]) -> tuple[torch.dtype, tuple[int, ...], torch.Tensor, torch.Tensor]:
+    def _parse(
+        self, meta: memoryview, parts: list[torch.Tensor]
+    ) -> tuple[torch.dtype, tuple[int, ...], torch.Tensor, torch.Tensor]:
         r = Reader(meta)
         dtype = code_dtype(r.u8())
         if not dtype.is_floating_point:
@@ -172,8 +190,9 @@ class TopK2BitCodec(PartsCodec):
         keep = idx.reshape(-1) < n  # entries in the zero padding of the last chunk
         return dtype, shape, idx.reshape(-1)[keep], values.reshape(-1)[keep]
 
-    def decode_parts(self, meta: memoryview, parts: list[torch.Tensor], device: str | torch.device | None = None,
-                     **context: Any) -> torch.Tensor:
+    def decode_parts(
+        self, meta: memoryview, parts: list[torch.Tensor], device: str | torch.device | None = None, **context: Any
+    ) -> torch.Tensor:
         """The dense tensor, built on ``device`` (default CPU)."""
         dtype, shape, idx, values = self._parse(meta, parts)
         dev = torch.device("cpu") if device is None else torch.device(device)

@@ -26,8 +26,27 @@ import torch
 from locomm.config import DataConfig
 
 BOS, EOS, PAD = 256, 257, 258
-TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".toml", ".cfg", ".ini", ".c", ".h", ".html",
-                 ".css", ".js", ".csv", ".tex", ".yaml", ".yml", ".xml", ".sh"}
+TEXT_SUFFIXES = {
+    ".py",
+    ".txt",
+    ".md",
+    ".rst",
+    ".json",
+    ".toml",
+    ".cfg",
+    ".ini",
+    ".c",
+    ".h",
+    ".html",
+    ".css",
+    ".js",
+    ".csv",
+    ".tex",
+    ".yaml",
+    ".yml",
+    ".xml",
+    ".sh",
+}
 
 
 class CorpusError(ValueError):
@@ -95,8 +114,10 @@ def _read_files(files: list[Path], root: Path, cfg: DataConfig, strict: bool) ->
             continue
         if _looks_binary(data[:8192]):
             if strict:
-                raise CorpusError(f"{f} looks like a binary file (it contains NUL bytes); "
-                                  "give a text file, a folder of text files or a .bin token file")
+                raise CorpusError(
+                    f"{f} looks like a binary file (it contains NUL bytes); "
+                    "give a text file, a folder of text files or a .bin token file"
+                )
             continue
         if not data.strip():
             continue
@@ -114,8 +135,9 @@ def _read_files(files: list[Path], root: Path, cfg: DataConfig, strict: bool) ->
         if cut < cfg.seq_len + 1 or len(blob) - cut < cfg.seq_len + 1:
             raise CorpusError(f"corpus at {root} is too small ({len(blob)} bytes) for seq_len={cfg.seq_len}")
         train_parts, val_parts = [blob[:cut]], [blob[cut:]]
-    return TokenSplits(train=_join(train_parts), val=_join(val_parts),
-                       description=f"{root} ({total / 1e6:.1f} MB text)")
+    return TokenSplits(
+        train=_join(train_parts), val=_join(val_parts), description=f"{root} ({total / 1e6:.1f} MB text)"
+    )
 
 
 def _join(parts: list[bytes]) -> np.ndarray:
@@ -124,7 +146,7 @@ def _join(parts: list[bytes]) -> np.ndarray:
     out = np.empty(n, dtype=np.uint16)
     i = 0
     for p in parts:
-        out[i:i + len(p)] = np.frombuffer(p, dtype=np.uint8)
+        out[i : i + len(p)] = np.frombuffer(p, dtype=np.uint8)
         out[i + len(p)] = EOS
         i += len(p) + 1
     return out
@@ -134,8 +156,10 @@ def _load_bin(path: Path, cfg: DataConfig) -> TokenSplits:
     dtype = np.dtype(cfg.bin_dtype)
     size = path.stat().st_size
     if size == 0 or size % dtype.itemsize:
-        raise CorpusError(f"{path}: size {size} is not a non-zero multiple of {cfg.bin_dtype} "
-                          f"({dtype.itemsize} bytes); is data.bin_dtype right?")
+        raise CorpusError(
+            f"{path}: size {size} is not a non-zero multiple of {cfg.bin_dtype} "
+            f"({dtype.itemsize} bytes); is data.bin_dtype right?"
+        )
     tokens = np.memmap(path, dtype=dtype, mode="r")
     cut = int(len(tokens) * (1 - cfg.val_percent / 100))
     if cut < cfg.seq_len + 1 or len(tokens) - cut < cfg.seq_len + 1:
@@ -202,15 +226,17 @@ class BatchSampler:
     a generator seeded from (seed, worker_id).
     """
 
-    def __init__(self, tokens: np.ndarray, cfg: DataConfig, seed: int, worker_id: int = 0,
-                 num_workers: int = 1) -> None:
+    def __init__(
+        self, tokens: np.ndarray, cfg: DataConfig, seed: int, worker_id: int = 0, num_workers: int = 1
+    ) -> None:
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id {worker_id} is not in [0, {num_workers})")
         n = len(tokens)
         lo, hi = worker_id * n // num_workers, (worker_id + 1) * n // num_workers
         if hi - lo < cfg.seq_len + 2:
-            raise CorpusError(f"training split ({n} tokens) is too small for {num_workers} workers "
-                              f"with seq_len={cfg.seq_len}")
+            raise CorpusError(
+                f"training split ({n} tokens) is too small for {num_workers} workers with seq_len={cfg.seq_len}"
+            )
         self.shard = tokens[lo:hi]
         self.seq_len = cfg.seq_len
         self.batch_size = cfg.batch_size
@@ -241,8 +267,7 @@ def eval_batches(tokens: np.ndarray, cfg: DataConfig, n_batches: int) -> list[tu
     if last < 0:
         raise CorpusError(f"validation split ({len(tokens)} tokens) is shorter than seq_len={cfg.seq_len}")
     starts = np.linspace(0, last, n_windows).astype(np.int64)
-    return [_windows(tokens, starts[i:i + cfg.batch_size], cfg.seq_len)
-            for i in range(0, n_windows, cfg.batch_size)]
+    return [_windows(tokens, starts[i : i + cfg.batch_size], cfg.seq_len) for i in range(0, n_windows, cfg.batch_size)]
 
 
 def nats_to_bits(nats: float) -> float:

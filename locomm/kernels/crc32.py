@@ -134,8 +134,9 @@ def crc32(data: torch.Tensor, block_bytes: int | None = None) -> int:
     table = torch.as_tensor(_table()).to(dev)
     reg = torch.empty(n_blocks, dtype=torch.int64, device=dev)
     lanes = 128
-    _block_kernel[(triton.cdiv(n_blocks, lanes),)](data, table, reg, n, pad, n_blocks, BLOCK_BYTES=block_bytes,
-                                                   LANES=lanes)
+    _block_kernel[(triton.cdiv(n_blocks, lanes),)](
+        data, table, reg, n, pad, n_blocks, BLOCK_BYTES=block_bytes, LANES=lanes
+    )
     span = block_bytes  # bytes each register covers at this level
     while reg.numel() > 1:
         if reg.numel() % 2:  # a zero register in front: more leading zero bytes, which change nothing

@@ -44,8 +44,9 @@ ELEM_BLOCK = 1024
 
 
 @triton.jit
-def _hist_kernel(words_ptr, hist_ptr, numel, chunk_elems, S: tl.constexpr, WORD_MASK: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _hist_kernel(
+    words_ptr, hist_ptr, numel, chunk_elems, S: tl.constexpr, WORD_MASK: tl.constexpr, BLOCK: tl.constexpr
+):
     """hist[c, sym] += count, for the symbols of block (c, b) of chunk c."""
     c = tl.program_id(0)
     local = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -59,8 +60,19 @@ def _hist_kernel(words_ptr, hist_ptr, numel, chunk_elems, S: tl.constexpr, WORD_
 
 
 @triton.jit
-def _lane_bits_kernel(words_ptr, len_ptr, bits_ptr, c_first_ptr, c_n_ptr, c_lanes_ptr, c_lane0_ptr, blocks,
-                      S: tl.constexpr, WORD_MASK: tl.constexpr, BLOCK_L: tl.constexpr):
+def _lane_bits_kernel(
+    words_ptr,
+    len_ptr,
+    bits_ptr,
+    c_first_ptr,
+    c_n_ptr,
+    c_lanes_ptr,
+    c_lane0_ptr,
+    blocks,
+    S: tl.constexpr,
+    WORD_MASK: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     """bits[lane] = coded bits of each lane of coded chunk c (table row c of ``len_ptr``)."""
     c = tl.program_id(0) // blocks
     first = tl.load(c_first_ptr + c)
@@ -81,8 +93,21 @@ def _lane_bits_kernel(words_ptr, len_ptr, bits_ptr, c_first_ptr, c_n_ptr, c_lane
 
 
 @triton.jit
-def _pack_kernel(words_ptr, code_ptr, len_ptr, out_ptr, lane_pos_ptr, c_first_ptr, c_n_ptr, c_lanes_ptr,
-                 c_lane0_ptr, blocks, S: tl.constexpr, WORD_MASK: tl.constexpr, BLOCK_L: tl.constexpr):
+def _pack_kernel(
+    words_ptr,
+    code_ptr,
+    len_ptr,
+    out_ptr,
+    lane_pos_ptr,
+    c_first_ptr,
+    c_n_ptr,
+    c_lanes_ptr,
+    c_lane0_ptr,
+    blocks,
+    S: tl.constexpr,
+    WORD_MASK: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     """Write each lane's MSB-first bit stream at its byte position in ``out``."""
     c = tl.program_id(0) // blocks
     first = tl.load(c_first_ptr + c)
@@ -116,8 +141,18 @@ def _pack_kernel(words_ptr, code_ptr, len_ptr, out_ptr, lane_pos_ptr, c_first_pt
 
 
 @triton.jit
-def _split_kernel(words_ptr, out_ptr, raw_pos_ptr, sym_pos_ptr, numel, chunk_elems, S: tl.constexpr,
-                  WORD_MASK: tl.constexpr, NRAW: tl.constexpr, BLOCK: tl.constexpr):
+def _split_kernel(
+    words_ptr,
+    out_ptr,
+    raw_pos_ptr,
+    sym_pos_ptr,
+    numel,
+    chunk_elems,
+    S: tl.constexpr,
+    WORD_MASK: tl.constexpr,
+    NRAW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """The raw plane of every chunk (and the symbol bytes of STORED chunks) into ``out``."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = idx < numel
@@ -133,9 +168,23 @@ def _split_kernel(words_ptr, out_ptr, raw_pos_ptr, sym_pos_ptr, numel, chunk_ele
 
 
 @triton.jit
-def _unpack_kernel(buf_ptr, dec_ptr, out_ptr, lane_start_ptr, lane_end_ptr, err_ptr, c_first_ptr, c_n_ptr,
-                   c_lanes_ptr, c_lane0_ptr, c_raw_ptr, blocks, S: tl.constexpr, NRAW: tl.constexpr,
-                   BLOCK_L: tl.constexpr):
+def _unpack_kernel(
+    buf_ptr,
+    dec_ptr,
+    out_ptr,
+    lane_start_ptr,
+    lane_end_ptr,
+    err_ptr,
+    c_first_ptr,
+    c_n_ptr,
+    c_lanes_ptr,
+    c_lane0_ptr,
+    c_raw_ptr,
+    blocks,
+    S: tl.constexpr,
+    NRAW: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     """Decode the lanes of coded chunk c and merge symbols with the raw plane into ``out``.
 
     err[lane] = 0, 1 (invalid code), 2 (ran past the lane's end), 3 (unread bytes).
@@ -188,13 +237,13 @@ def _dev_i64(values: list[int] | np.ndarray, device: torch.device) -> torch.Tens
     return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device)
 
 
-def encode(codec: "LosslessCodec", x: torch.Tensor) -> bytes:
+def encode(codec: LosslessCodec, x: torch.Tensor) -> bytes:
     """The version-2 payload of ``x`` (on its device), byte for byte what the CPU path writes."""
     out = encode_device(codec, x)
     return out.cpu().numpy().tobytes()  # the compressed payload: the one large device-to-host copy
 
 
-def encode_device(codec: "LosslessCodec", x: torch.Tensor) -> torch.Tensor:
+def encode_device(codec: LosslessCodec, x: torch.Tensor) -> torch.Tensor:
     """The payload as a uint8 tensor on ``x``'s device, CRC included."""
     from locomm.compression.lossless import _LAYOUTS, MODE_CONST, MODE_STORED, full_codes
 
@@ -210,7 +259,9 @@ def encode_device(codec: "LosslessCodec", x: torch.Tensor) -> torch.Tensor:
         return torch.frombuffer(bytearray(empty), dtype=torch.uint8).to(dev)
     S, WM, NRAW = layout.s, (1 << (8 * layout.word.itemsize)) - 1, layout.nraw
     hist = torch.zeros(n_chunks, 256, dtype=torch.int32, device=dev)
-    _hist_kernel[(n_chunks, triton.cdiv(min(ce, numel), HIST_BLOCK))](words, hist, numel, ce, S=S, WORD_MASK=WM, BLOCK=HIST_BLOCK)
+    _hist_kernel[(n_chunks, triton.cdiv(min(ce, numel), HIST_BLOCK))](
+        words, hist, numel, ce, S=S, WORD_MASK=WM, BLOCK=HIST_BLOCK
+    )
     hist_h = hist.cpu().numpy().astype(np.int64)  # 1 KiB per chunk: the only look before coding
     picks = []
     for c in range(n_chunks):
@@ -232,8 +283,9 @@ def encode_device(codec: "LosslessCodec", x: torch.Tensor) -> torch.Tensor:
         bits = torch.empty(int(lane0[-1]), dtype=torch.int64, device=dev)
         blocks = triton.cdiv(max(lane_counts), LANE_BLOCK)  # lane blocks per chunk, on one grid axis
         grid = (len(coded) * blocks,)
-        _lane_bits_kernel[grid](words, lens, bits, c_first, c_n, c_lanes, c_lane0, blocks, S=S, WORD_MASK=WM,
-                                BLOCK_L=LANE_BLOCK)
+        _lane_bits_kernel[grid](
+            words, lens, bits, c_first, c_n, c_lanes, c_lane0, blocks, S=S, WORD_MASK=WM, BLOCK_L=LANE_BLOCK
+        )
         sizes_h = ((bits + 7) // 8).cpu().numpy()  # 8 bytes per lane
     # Lay the payload out on the host (positions only), then fill it on the device.
     pieces: list[tuple[int, bytes]] = [(0, head)]
@@ -271,17 +323,39 @@ def encode_device(codec: "LosslessCodec", x: torch.Tensor) -> torch.Tensor:
     hdr_idx = np.concatenate([np.arange(o, o + len(p), dtype=np.int64) for o, p in pieces])
     out[torch.as_tensor(hdr_idx).to(dev)] = torch.as_tensor(hdr_bytes.copy()).to(dev)
     _split_kernel[(triton.cdiv(numel, ELEM_BLOCK),)](
-        words, out, _dev_i64(raw_pos, dev), _dev_i64(sym_pos, dev), numel, ce, S=S, WORD_MASK=WM, NRAW=NRAW,
-        BLOCK=ELEM_BLOCK)
+        words,
+        out,
+        _dev_i64(raw_pos, dev),
+        _dev_i64(sym_pos, dev),
+        numel,
+        ce,
+        S=S,
+        WORD_MASK=WM,
+        NRAW=NRAW,
+        BLOCK=ELEM_BLOCK,
+    )
     if coded:
-        _pack_kernel[grid](words, codes, lens, out, _dev_i64(lane_pos, dev), c_first, c_n, c_lanes, c_lane0,
-                           blocks, S=S, WORD_MASK=WM, BLOCK_L=LANE_BLOCK)
+        _pack_kernel[grid](
+            words,
+            codes,
+            lens,
+            out,
+            _dev_i64(lane_pos, dev),
+            c_first,
+            c_n,
+            c_lanes,
+            c_lane0,
+            blocks,
+            S=S,
+            WORD_MASK=WM,
+            BLOCK_L=LANE_BLOCK,
+        )
     crc = struct.pack("<I", crc32(out[:-4]))
     out[-4:] = torch.frombuffer(bytearray(crc), dtype=torch.uint8).to(dev)
     return out
 
 
-def decode(p: "Parsed", device: torch.device, buf: torch.Tensor | None = None) -> torch.Tensor:
+def decode(p: Parsed, device: torch.device, buf: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a parsed version-2 payload onto ``device`` with the Triton kernels.
 
     ``buf`` is the payload already on ``device`` (uploaded here otherwise). The
@@ -315,10 +389,22 @@ def decode(p: "Parsed", device: torch.device, buf: torch.Tensor | None = None) -
         err = torch.zeros(int(lane0[-1]), dtype=torch.int32, device=device)
         blocks = triton.cdiv(max(lane_counts), LANE_BLOCK)
         _unpack_kernel[(len(coded) * blocks,)](
-            buf, dec, out, _dev_i64(starts, device), _dev_i64(ends, device), err,
-            _dev_i64([ch.first for ch in coded], device), _dev_i64([ch.n for ch in coded], device),
-            _dev_i64(lane_counts, device), _dev_i64(lane0[:-1], device), _dev_i64([ch.raw0 for ch in coded], device),
-            blocks, S=S, NRAW=NRAW, BLOCK_L=LANE_BLOCK)
+            buf,
+            dec,
+            out,
+            _dev_i64(starts, device),
+            _dev_i64(ends, device),
+            err,
+            _dev_i64([ch.first for ch in coded], device),
+            _dev_i64([ch.n for ch in coded], device),
+            _dev_i64(lane_counts, device),
+            _dev_i64(lane0[:-1], device),
+            _dev_i64([ch.raw0 for ch in coded], device),
+            blocks,
+            S=S,
+            NRAW=NRAW,
+            BLOCK_L=LANE_BLOCK,
+        )
         worst = int(err.max())
         if worst:
             raise CodecError(DECODE_ERRORS[-worst])

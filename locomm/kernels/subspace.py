@@ -27,8 +27,22 @@ BLOCK_D = 32
 
 
 @triton.jit
-def _compress_kernel(h_ptr, tok_ptr, ef_ptr, u_ptr, z_ptr, n_rows, d, k, stride_h, stride_z,
-                     HAS_EF: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+def _compress_kernel(
+    h_ptr,
+    tok_ptr,
+    ef_ptr,
+    u_ptr,
+    z_ptr,
+    n_rows,
+    d,
+    k,
+    stride_h,
+    stride_z,
+    HAS_EF: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rm = rows < n_rows
     ks = tl.arange(0, BK)
@@ -45,13 +59,27 @@ def _compress_kernel(h_ptr, tok_ptr, ef_ptr, u_ptr, z_ptr, n_rows, d, k, stride_
             a -= tl.load(ef_ptr + tok[:, None] * d + ds[None, :], mask=m2, other=0.0)
         u = tl.load(u_ptr + ds[:, None] * k + ks[None, :], mask=dm[:, None] & km[None, :], other=0.0)
         acc += tl.dot(a, u, input_precision="ieee")
-    tl.store(z_ptr + rows[:, None] * stride_z + ks[None, :], acc.to(z_ptr.dtype.element_ty),
-             mask=rm[:, None] & km[None, :])
+    tl.store(
+        z_ptr + rows[:, None] * stride_z + ks[None, :], acc.to(z_ptr.dtype.element_ty), mask=rm[:, None] & km[None, :]
+    )
 
 
 @triton.jit
-def _decompress_kernel(z_ptr, tok_ptr, ef_ptr, u_ptr, h_ptr, n_rows, d, k, stride_z,
-                       HAS_EF: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+def _decompress_kernel(
+    z_ptr,
+    tok_ptr,
+    ef_ptr,
+    u_ptr,
+    h_ptr,
+    n_rows,
+    d,
+    k,
+    stride_z,
+    HAS_EF: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rm = rows < n_rows
     ds = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -69,8 +97,9 @@ def _decompress_kernel(z_ptr, tok_ptr, ef_ptr, u_ptr, h_ptr, n_rows, d, k, strid
 
 
 @triton.jit
-def _project_rows_kernel(x_ptr, u_ptr, n_rows, d, k, stride_r, stride_c,
-                         BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+def _project_rows_kernel(
+    x_ptr, u_ptr, n_rows, d, k, stride_r, stride_c, BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr
+):
     """Rows of X (n_rows, d) <- X U U^T, in place: each program owns BM rows."""
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rm = rows < n_rows
@@ -80,8 +109,9 @@ def _project_rows_kernel(x_ptr, u_ptr, n_rows, d, k, stride_r, stride_c,
     for d0 in range(0, d, BD):
         ds = d0 + tl.arange(0, BD)
         dm = ds < d
-        x = tl.load(x_ptr + rows[:, None] * stride_r + ds[None, :] * stride_c, mask=rm[:, None] & dm[None, :],
-                    other=0.0).to(tl.float32)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_r + ds[None, :] * stride_c, mask=rm[:, None] & dm[None, :], other=0.0
+        ).to(tl.float32)
         u = tl.load(u_ptr + ds[:, None] * k + ks[None, :], mask=dm[:, None] & km[None, :], other=0.0)
         t += tl.dot(x, u, input_precision="ieee")
     for d0 in range(0, d, BD):
@@ -89,8 +119,11 @@ def _project_rows_kernel(x_ptr, u_ptr, n_rows, d, k, stride_r, stride_c,
         dm = ds < d
         ut = tl.load(u_ptr + ds[None, :] * k + ks[:, None], mask=km[:, None] & dm[None, :], other=0.0)
         y = tl.dot(t, ut, input_precision="ieee")
-        tl.store(x_ptr + rows[:, None] * stride_r + ds[None, :] * stride_c, y.to(x_ptr.dtype.element_ty),
-                 mask=rm[:, None] & dm[None, :])
+        tl.store(
+            x_ptr + rows[:, None] * stride_r + ds[None, :] * stride_c,
+            y.to(x_ptr.dtype.element_ty),
+            mask=rm[:, None] & dm[None, :],
+        )
 
 
 def _bk(k: int) -> int:
@@ -102,8 +135,13 @@ def _rows(x: torch.Tensor, d: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def compress(h: torch.Tensor, U: torch.Tensor, E_f: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
-             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def compress(
+    h: torch.Tensor,
+    U: torch.Tensor,
+    E_f: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``z = (h - E_f[tok]) @ U`` (..., k) in ``out_dtype``; no E_f term when ``E_f`` is None."""
     d, k = U.shape
     h2 = _rows(h, d)
@@ -112,13 +150,31 @@ def compress(h: torch.Tensor, U: torch.Tensor, E_f: torch.Tensor | None = None, 
     if n:
         tok = tokens.reshape(-1).contiguous() if E_f is not None else h2  # type: ignore[union-attr]
         _compress_kernel[(triton.cdiv(n, BLOCK_M),)](
-            h2, tok, E_f if E_f is not None else U, U, z, n, d, k, h2.stride(0), z.stride(0),
-            HAS_EF=E_f is not None, BM=BLOCK_M, BD=BLOCK_D, BK=_bk(k))
+            h2,
+            tok,
+            E_f if E_f is not None else U,
+            U,
+            z,
+            n,
+            d,
+            k,
+            h2.stride(0),
+            z.stride(0),
+            HAS_EF=E_f is not None,
+            BM=BLOCK_M,
+            BD=BLOCK_D,
+            BK=_bk(k),
+        )
     return z.reshape(*h.shape[:-1], k)
 
 
-def decompress(z: torch.Tensor, U: torch.Tensor, E_f: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decompress(
+    z: torch.Tensor,
+    U: torch.Tensor,
+    E_f: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``h = z @ U^T + E_f[tok]`` (..., d) in ``out_dtype``."""
     d, k = U.shape
     z2 = _rows(z, k)
@@ -127,8 +183,20 @@ def decompress(z: torch.Tensor, U: torch.Tensor, E_f: torch.Tensor | None = None
     if n:
         tok = tokens.reshape(-1).contiguous() if E_f is not None else z2  # type: ignore[union-attr]
         _decompress_kernel[(triton.cdiv(n, BLOCK_M), triton.cdiv(d, BLOCK_D))](
-            z2, tok, E_f if E_f is not None else U, U, h, n, d, k, z2.stride(0),
-            HAS_EF=E_f is not None, BM=BLOCK_M, BD=BLOCK_D, BK=_bk(k))
+            z2,
+            tok,
+            E_f if E_f is not None else U,
+            U,
+            h,
+            n,
+            d,
+            k,
+            z2.stride(0),
+            HAS_EF=E_f is not None,
+            BM=BLOCK_M,
+            BD=BLOCK_D,
+            BK=_bk(k),
+        )
     return h.reshape(*z.shape[:-1], d)
 
 
@@ -139,8 +207,9 @@ def project_rows_(x: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"expected (n, {d}), got {tuple(x.shape)}")
     n = x.shape[0]
     if n:
-        _project_rows_kernel[(triton.cdiv(n, BLOCK_M),)](x, U, n, d, k, x.stride(0), x.stride(1),
-                                                          BM=BLOCK_M, BD=BLOCK_D, BK=_bk(k))
+        _project_rows_kernel[(triton.cdiv(n, BLOCK_M),)](
+            x, U, n, d, k, x.stride(0), x.stride(1), BM=BLOCK_M, BD=BLOCK_D, BK=_bk(k)
+        )
     return x
 
 

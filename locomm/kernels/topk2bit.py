@@ -32,15 +32,27 @@ PACK_BLOCK = 1024
 def _mul_rn(a, b, NO_FMA: tl.constexpr):
     if NO_FMA:
         bb = tl.zeros_like(a) + b  # a tensor operand, as inline asm wants
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, bb], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, bb], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         return a * b
 
 
 @triton.jit
-def _select_kernel(x_ptr, e_ptr, idx_ptr, sel_ptr, n, n_chunks, beta, K: tl.constexpr, EF: tl.constexpr,
-                   NO_FMA: tl.constexpr, CHUNKS_: tl.constexpr):
+def _select_kernel(
+    x_ptr,
+    e_ptr,
+    idx_ptr,
+    sel_ptr,
+    n,
+    n_chunks,
+    beta,
+    K: tl.constexpr,
+    EF: tl.constexpr,
+    NO_FMA: tl.constexpr,
+    CHUNKS_: tl.constexpr,
+):
     rows = tl.program_id(0) * CHUNKS_ + tl.arange(0, CHUNKS_)  # (R,)
     cols = tl.arange(0, 64)
     offs = rows.to(tl.int64)[:, None] * 64 + cols[None, :]  # (R, 64)
@@ -67,8 +79,21 @@ def _select_kernel(x_ptr, e_ptr, idx_ptr, sel_ptr, n, n_chunks, beta, K: tl.cons
 
 
 @triton.jit
-def _pack_kernel(idx_ptr, sel_ptr, e_ptr, out_ptr, total, n, lo, hi, thr, USE_HI: tl.constexpr, K: tl.constexpr,
-                 EF: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_kernel(
+    idx_ptr,
+    sel_ptr,
+    e_ptr,
+    out_ptr,
+    total,
+    n,
+    lo,
+    hi,
+    thr,
+    USE_HI: tl.constexpr,
+    K: tl.constexpr,
+    EF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < total
     j = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
@@ -104,13 +129,15 @@ def encode(x: torch.Tensor, error: torch.Tensor | None, beta: float, k: int) -> 
     ef = error is not None
     e_arg = error if ef else sel
     no_fma = dev.type == "cuda" and not interpreting()
-    _select_kernel[(triton.cdiv(n_chunks, CHUNKS),)](flat, e_arg, idx, sel, n, n_chunks, float(beta), K=k, EF=ef,
-                                                     NO_FMA=no_fma, CHUNKS_=CHUNKS)
+    _select_kernel[(triton.cdiv(n_chunks, CHUNKS),)](
+        flat, e_arg, idx, sel, n, n_chunks, float(beta), K=k, EF=ef, NO_FMA=no_fma, CHUNKS_=CHUNKS
+    )
     lo, hi = _two_levels(sel.abs())
     thr = float(torch.tensor((lo + hi) / 2, dtype=torch.float32))
     packed = torch.empty(n_chunks * k, dtype=torch.uint8, device=dev)
-    _pack_kernel[(triton.cdiv(n_chunks * k, PACK_BLOCK),)](idx, sel, e_arg, packed, n_chunks * k, n, lo, hi, thr,
-                                                           USE_HI=hi > lo, K=k, EF=ef, BLOCK=PACK_BLOCK)
+    _pack_kernel[(triton.cdiv(n_chunks * k, PACK_BLOCK),)](
+        idx, sel, e_arg, packed, n_chunks * k, n, lo, hi, thr, USE_HI=hi > lo, K=k, EF=ef, BLOCK=PACK_BLOCK
+    )
     return packed, lo, hi
 
 

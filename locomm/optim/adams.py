@@ -16,7 +16,7 @@ SCAPE reads ``state["exp_avg"]`` (the first moment) to build its masks.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.optim import Optimizer
@@ -25,8 +25,14 @@ from torch.optim import Optimizer
 class AdamS(Optimizer):
     """AdamS with decoupled weight decay; state per parameter: ``step``, ``exp_avg`` (fp32)."""
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.1) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+    ) -> None:
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"invalid AdamS hyperparameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -50,7 +56,7 @@ class AdamS(Optimizer):
                 state["step"] += 1
                 t = state["step"].item()
                 m = state["exp_avg"]
-                bc = 1 - b1 ** t
+                bc = 1 - b1**t
                 mh = m / bc  # m_prev bias-corrected with the current step's 1 - b1^t
                 v = mh.square().mul_(b2).addcmul_(g, g, value=1 - b2)
                 m.mul_(b1).add_(g, alpha=1 - b1)

@@ -26,9 +26,17 @@ log = logging.getLogger(__name__)
 class AveragerExchange:
     """Owns a hivemind.DHT and a DecentralizedAverager for one node's DiLoCo rounds."""
 
-    def __init__(self, names: list[str], shapes: Mapping[str, torch.Size], *, run_id: str,
-                 initial_peers: list[str], timeout: float, allreduce_timeout: float | None = None,
-                 group_size: int | None) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        shapes: Mapping[str, torch.Size],
+        *,
+        run_id: str,
+        initial_peers: list[str],
+        timeout: float,
+        allreduce_timeout: float | None = None,
+        group_size: int | None,
+    ) -> None:
         """``timeout``: for matchmaking and each request; ``allreduce_timeout`` (default ``timeout``): for
         the all-reduce itself, which the node sizes by the payload's bytes."""
         import hivemind  # noqa: PLC0415
@@ -36,13 +44,19 @@ class AveragerExchange:
         self.names = names
         allreduce_timeout = timeout if allreduce_timeout is None else allreduce_timeout
         self.timeout = timeout + allreduce_timeout  # a step: find a group, then all-reduce
-        self.dht = hivemind.DHT(start=True, initial_peers=initial_peers or None,
-                                host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.dht = hivemind.DHT(start=True, initial_peers=initial_peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         tensors = [torch.zeros(shapes[n], dtype=torch.float32) for n in names]
         self.averager = hivemind.averaging.DecentralizedAverager(
-            tensors, dht=self.dht, prefix=f"locomm_{run_id}_diloco", start=True,
-            target_group_size=group_size, min_group_size=2, min_matchmaking_time=2.0,
-            request_timeout=min(3.0, timeout), allreduce_timeout=allreduce_timeout)
+            tensors,
+            dht=self.dht,
+            prefix=f"locomm_{run_id}_diloco",
+            start=True,
+            target_group_size=group_size,
+            min_group_size=2,
+            min_matchmaking_time=2.0,
+            request_timeout=min(3.0, timeout),
+            allreduce_timeout=allreduce_timeout,
+        )
 
     def maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]

@@ -25,8 +25,9 @@ def setup_logging(verbose: int) -> None:
         logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
-def run_node(spec: RunSpec, *, verbose: int = 0, quiet: bool = False, reporter: Any = None,
-             **options: Any) -> dict[str, Any]:
+def run_node(
+    spec: RunSpec, *, verbose: int = 0, quiet: bool = False, reporter: Any = None, **options: Any
+) -> dict[str, Any]:
     """Run one node to completion in a fresh event loop (uvloop when installed).
 
     ``reporter`` shows the user what the node does (locomm.peer.display); by default a live line on a

@@ -29,8 +29,19 @@ from rich.live import Live
 from rich.spinner import Spinner
 from rich.text import Text
 
-__all__ = ["JoinReporter", "LiveReporter", "NullReporter", "PlainReporter", "fmt_bytes", "fmt_duration",
-           "fmt_eta", "make_reporter", "round_line", "summary_paragraph", "transfer_text"]
+__all__ = [
+    "JoinReporter",
+    "LiveReporter",
+    "NullReporter",
+    "PlainReporter",
+    "fmt_bytes",
+    "fmt_duration",
+    "fmt_eta",
+    "make_reporter",
+    "round_line",
+    "summary_paragraph",
+    "transfer_text",
+]
 
 
 class JoinReporter(Protocol):
@@ -40,8 +51,9 @@ class JoinReporter(Protocol):
     def close(self) -> None: ...
 
 
-def make_reporter(*, quiet: bool, stream: IO[str] | None = None, console: Console | None = None,
-                  live: bool | None = None) -> NullReporter | PlainReporter | LiveReporter:
+def make_reporter(
+    *, quiet: bool, stream: IO[str] | None = None, console: Console | None = None, live: bool | None = None
+) -> NullReporter | PlainReporter | LiveReporter:
     """The reporter for ``join``: a no-op when ``quiet``; a live line when the output (``stream``, default
     stderr) is a terminal; else plain lines. ``live`` forces the choice, ``console`` the rich console."""
     if quiet:
@@ -402,8 +414,14 @@ class LiveReporter:
 
     SEP = " · "
 
-    def __init__(self, console: Console | None = None, *, refresh_per_second: float = 4, auto_refresh: bool = True,
-                 loggers: Iterable[str] = ("", "locomm", "hivemind")) -> None:
+    def __init__(
+        self,
+        console: Console | None = None,
+        *,
+        refresh_per_second: float = 4,
+        auto_refresh: bool = True,
+        loggers: Iterable[str] = ("", "locomm", "hivemind"),
+    ) -> None:
         self.console = console if console is not None else Console(stderr=True)
         self.auto_refresh = auto_refresh
         self.refresh_per_second = refresh_per_second
@@ -421,9 +439,15 @@ class LiveReporter:
     def _start(self) -> None:
         if self.live is not None or self.closed or self.finished:
             return
-        live = Live(console=self.console, get_renderable=lambda: _Line(self), auto_refresh=self.auto_refresh,
-                    refresh_per_second=self.refresh_per_second, transient=True, redirect_stdout=False,
-                    redirect_stderr=True)
+        live = Live(
+            console=self.console,
+            get_renderable=lambda: _Line(self),
+            auto_refresh=self.auto_refresh,
+            refresh_per_second=self.refresh_per_second,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=True,
+        )
         self.live = live
         try:
             self._route_logs()
@@ -489,8 +513,11 @@ class LiveReporter:
         self.finished = True
         with contextlib.suppress(Exception):
             self._stop()
-            self.console.print(summary_paragraph(summary if isinstance(summary, Mapping) else {}, self.last),
-                               highlight=False, markup=False)
+            self.console.print(
+                summary_paragraph(summary if isinstance(summary, Mapping) else {}, self.last),
+                highlight=False,
+                markup=False,
+            )
 
     def close(self) -> None:
         self.closed = True

@@ -43,9 +43,17 @@ from typing import Any
 from hivemind.p2p import P2P
 
 from locomm.compression.payload import Part, PayloadCodec, PayloadError
-from locomm.peer.rpc import Call, Link, Limits, Meter, RpcServer, Service, TransferCut, Unreachable, open_link
-from locomm.protocol.messages import (FAULT_CODES, ErrorCode, ProtocolViolation, Transfer, pull_header, push_header,
-                                      transfer_fields, validate_transfer)
+from locomm.peer.rpc import Call, Limits, Link, RpcServer, Service, TransferCut, Unreachable, open_link
+from locomm.protocol.messages import (
+    FAULT_CODES,
+    ErrorCode,
+    ProtocolViolation,
+    Transfer,
+    pull_header,
+    push_header,
+    transfer_fields,
+    validate_transfer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +68,16 @@ PUSH_ATTEMPTS = 3
 
 class _EarlyReset(ConnectionError):
     """The stream broke before any part went out (a refusal whose answer the reset overtook)."""
+
+
 _PAYLOAD_CODES = {"shape": ErrorCode.BAD_SHAPE, "payload": ErrorCode.BAD_PAYLOAD, "finite": ErrorCode.NOT_FINITE}
-_REFUSALS = {ErrorCode.BANNED, ErrorCode.WRONG_RUN, ErrorCode.BAD_VERSION, ErrorCode.STALE_ROUND,
-             ErrorCode.UNAUTHORIZED}
+_REFUSALS = {
+    ErrorCode.BANNED,
+    ErrorCode.WRONG_RUN,
+    ErrorCode.BAD_VERSION,
+    ErrorCode.STALE_ROUND,
+    ErrorCode.UNAUTHORIZED,
+}
 """Answers after which the partner will not send us its payload this round."""
 
 
@@ -108,8 +123,9 @@ class Faults:
 class Outgoing:
     """One round's payload, encoded part by part in the codec pool once for every partner."""
 
-    def __init__(self, round_idx: int, payload: Mapping[str, Any], codec: PayloadCodec, server: RpcServer,
-                 peers: list[str]) -> None:
+    def __init__(
+        self, round_idx: int, payload: Mapping[str, Any], codec: PayloadCodec, server: RpcServer, peers: list[str]
+    ) -> None:
         self.round = round_idx
         self.peers = set(peers)
         self.codec = codec
@@ -147,9 +163,21 @@ class Incoming:
 class Gossip:
     """One node's side of the exchange protocol, as a service on the RPC base."""
 
-    def __init__(self, p2p: P2P, server: RpcServer, *, run_id: str, me: str, codec: PayloadCodec, limits: Limits,
-                 faults: Faults, max_body_bytes: int, streams: int = 4, parallel_threshold: int = 16 << 20,
-                 max_wait_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        server: RpcServer,
+        *,
+        run_id: str,
+        me: str,
+        codec: PayloadCodec,
+        limits: Limits,
+        faults: Faults,
+        max_body_bytes: int,
+        streams: int = 4,
+        parallel_threshold: int = 16 << 20,
+        max_wait_s: float = 600.0,
+    ) -> None:
         self.p2p, self.server, self.run_id, self.me, self.codec = p2p, server, run_id, me, codec
         self.limits = limits
         self.faults = faults
@@ -181,8 +209,9 @@ class Gossip:
         if abs(round_idx - self.current_round) > ROUND_WINDOW:
             raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {round_idx}, we are at {self.current_round}")
         if abs(round_idx - self.current_round) > RECEIVE_WINDOW:
-            raise ProtocolViolation(ErrorCode.NOT_READY, f"round {round_idx} is not open yet (we are at "
-                                    f"{self.current_round})")
+            raise ProtocolViolation(
+                ErrorCode.NOT_READY, f"round {round_idx} is not open yet (we are at {self.current_round})"
+            )
         if remote in self.mailbox.get(round_idx, {}):
             raise ProtocolViolation(ErrorCode.NOT_READY, "already received this round's payload")
         senders = {s for (s, r) in self.incoming if r == round_idx} | set(self.mailbox.get(round_idx, {}))
@@ -215,8 +244,9 @@ class Gossip:
                 data = await link.read_part(self.codec.max_part_bytes(part))
                 self.stats.bytes_received += len(data)
                 inc.last_progress = time.monotonic()
-                pending.append((part, asyncio.ensure_future(self.server.decode(self.codec.decode_part, inc.dest,
-                                                                               part, data))))
+                pending.append(
+                    (part, asyncio.ensure_future(self.server.decode(self.codec.decode_part, inc.dest, part, data)))
+                )
                 while len(pending) > 2:  # decode overlaps the wire; at most two parts held per stream
                     p, fut = pending.pop(0)
                     await fut
@@ -307,8 +337,12 @@ class Gossip:
             if outcome == "unreachable":
                 self.stats.unreachable += 1
                 self.unreachable[out.round].add(peer)
-            log.info("push to %s for round %d: %s", peer[-8:], out.round,
-                     outcome if isinstance(outcome, str) else outcome.name)
+            log.info(
+                "push to %s for round %d: %s",
+                peer[-8:],
+                out.round,
+                outcome if isinstance(outcome, str) else outcome.name,
+            )
         return outcome
 
     async def _push_once(self, peer: str, out: Outgoing, which: list[int]) -> tuple[ErrorCode | str, set[int]]:
@@ -383,8 +417,9 @@ class Gossip:
                 if code != ErrorCode.OK and outcome == ErrorCode.OK:
                     outcome = code
         # What went out on streams that did not answer OK, or whose parts the receiver held already.
-        self.stats.bytes_undelivered += sum(by_lane.get(k, [0])[0] for k, idx in enumerate(lanes)
-                                            if k in redundant or not set(idx) <= delivered)
+        self.stats.bytes_undelivered += sum(
+            by_lane.get(k, [0])[0] for k, idx in enumerate(lanes) if k in redundant or not set(idx) <= delivered
+        )
         if outcome == ErrorCode.OK:
             dt = max(1e-3, time.monotonic() - t0)
             rate = sent / dt
@@ -420,8 +455,9 @@ class Gossip:
 
     # -- one round ---------------------------------------------------------------------
 
-    async def exchange(self, round_idx: int, peers: list[str], payload: Mapping[str, Any],
-                       eta: Callable[[str], float] | None = None) -> dict[str, Any]:
+    async def exchange(
+        self, round_idx: int, peers: list[str], payload: Mapping[str, Any], eta: Callable[[str], float] | None = None
+    ) -> dict[str, Any]:
         """Push to every partner, then wait for theirs; returns {peer: payload} of who answered.
 
         ``eta(peer)`` is the monotonic time by which the partner's payload should have arrived.
@@ -433,8 +469,9 @@ class Gossip:
         pushes = {p: asyncio.create_task(self.push(p, out)) for p in peers}
         waiting = set(peers)
         start = time.monotonic()
-        deadline = {p: min(start + self.max_wait_s, eta(p) if eta else start + self.limits.request_timeout_s)
-                    for p in peers}
+        deadline = {
+            p: min(start + self.max_wait_s, eta(p) if eta else start + self.limits.request_timeout_s) for p in peers
+        }
         pulls: dict[str, asyncio.Task] = {}
         last_pull: dict[str, float] = {}
         try:
@@ -447,12 +484,19 @@ class Gossip:
                 if not missing:
                     break
                 now = time.monotonic()
-                moving = {p for p in missing if (inc := self.incoming.get((p, round_idx))) is not None
-                          and now - inc.last_progress < self.limits.stall_timeout_s}
+                moving = {
+                    p
+                    for p in missing
+                    if (inc := self.incoming.get((p, round_idx))) is not None
+                    and now - inc.last_progress < self.limits.stall_timeout_s
+                }
                 for p in missing - moving:  # hinted, or overdue with nothing arriving: fetch it ourselves
-                    if (p in self.pull_hints.get(round_idx, ()) or now > deadline[p]) and \
-                            (p not in pulls or pulls[p].done()) and now - last_pull.get(p, -1e9) > PULL_RETRY_S \
-                            and now < start + self.max_wait_s:
+                    if (
+                        (p in self.pull_hints.get(round_idx, ()) or now > deadline[p])
+                        and (p not in pulls or pulls[p].done())
+                        and now - last_pull.get(p, -1e9) > PULL_RETRY_S
+                        and now < start + self.max_wait_s
+                    ):
                         last_pull[p] = now
                         pulls[p] = asyncio.create_task(self.pull(p, round_idx))
                 busy = any(not t.done() for t in pulls.values())
@@ -474,8 +518,13 @@ class Gossip:
             self.stats.last_exchange = time.time()
         missing = set(peers) - set(got)
         if missing:
-            log.info("round %d: no payload from %s; going on with %d of %d", round_idx,
-                     ", ".join(m[-8:] for m in missing), len(got), len(peers))
+            log.info(
+                "round %d: no payload from %s; going on with %d of %d",
+                round_idx,
+                ", ".join(m[-8:] for m in missing),
+                len(got),
+                len(peers),
+            )
         return got
 
     def advance(self, round_idx: int) -> None:

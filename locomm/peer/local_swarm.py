@@ -55,11 +55,20 @@ def peer_rows(folder: Path, n: int) -> list[dict[str, Any]]:
         last_round = next((e for e in reversed(ev) if e["event"] == "round"), {})
         started = next((e for e in ev if e["event"] == "started"), {})
         finished = next((e for e in ev if e["event"] == "finished"), None)
-        rows.append({"peer": i, "id": started.get("peer", "")[-8:], "round": last_round.get("round", 0),
-                     "loss": last_round.get("loss"), "val_loss": last_round.get("val_loss"),
-                     "tokens_per_s": last_round.get("tokens_per_s"), "bytes_sent": last_round.get("bytes_sent", 0),
-                     "answered": last_round.get("answered"), "state": "done" if finished else
-                     ("training" if started else "starting"), "events": ev})
+        rows.append(
+            {
+                "peer": i,
+                "id": started.get("peer", "")[-8:],
+                "round": last_round.get("round", 0),
+                "loss": last_round.get("loss"),
+                "val_loss": last_round.get("val_loss"),
+                "tokens_per_s": last_round.get("tokens_per_s"),
+                "bytes_sent": last_round.get("bytes_sent", 0),
+                "answered": last_round.get("answered"),
+                "state": "done" if finished else ("training" if started else "starting"),
+                "events": ev,
+            }
+        )
     return rows
 
 
@@ -68,8 +77,17 @@ def table(rows: list[dict[str, Any]], rounds: int) -> Table:
     for col in ("peer", "id", "state", "round", "loss", "val", "tok/s", "MB sent", "got"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(str(r["peer"]), r["id"], r["state"], f"{r['round']}/{rounds}", _f(r["loss"]), _f(r["val_loss"]),
-                  _f(r["tokens_per_s"], "{:,.0f}"), f"{r['bytes_sent'] / 1e6:.1f}", str(r["answered"] or "-"))
+        t.add_row(
+            str(r["peer"]),
+            r["id"],
+            r["state"],
+            f"{r['round']}/{rounds}",
+            _f(r["loss"]),
+            _f(r["val_loss"]),
+            _f(r["tokens_per_s"], "{:,.0f}"),
+            f"{r['bytes_sent'] / 1e6:.1f}",
+            str(r["answered"] or "-"),
+        )
     return t
 
 
@@ -96,19 +114,27 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def max_weight_distance(files: list[Path]) -> float:
-    from safetensors.torch import load_file  # noqa: PLC0415
     import torch  # noqa: PLC0415
+    from safetensors.torch import load_file  # noqa: PLC0415
 
     flats = []
     for f in files:
         if f.exists():
             w = load_file(str(f))
             flats.append(torch.cat([w[k].flatten() for k in sorted(w)]))
-    return max((float((a - b).norm()) for i, a in enumerate(flats) for b in flats[i + 1:]), default=float("nan"))
+    return max((float((a - b).norm()) for i, a in enumerate(flats) for b in flats[i + 1 :]), default=float("nan"))
 
 
-def run_swarm(spec: RunSpec, *, peers: int, rounds: int, quiet: bool, plot: Path | None,
-              keep: Path | None = None, peer_args: tuple[str, ...] = ()) -> dict[str, Any]:
+def run_swarm(
+    spec: RunSpec,
+    *,
+    peers: int,
+    rounds: int,
+    quiet: bool,
+    plot: Path | None,
+    keep: Path | None = None,
+    peer_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
     console = Console(stderr=True)
     folder = Path(tempfile.mkdtemp(prefix="locomm-swarm-"))
     spec_path = folder / "run.toml"
@@ -119,10 +145,27 @@ def run_swarm(spec: RunSpec, *, peers: int, rounds: int, quiet: bool, plot: Path
     t0 = time.perf_counter()
 
     def launch(i: int, initial: str | None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(spec_path), "--until-round", str(rounds),
-               "--log-file", str(folder / f"peer{i}.jsonl"), "--final-weights", str(folder / f"peer{i}.safetensors"),
-               "--shard", f"{i}/{peers}", "--checkpoint-dir", str(folder / f"ckpt{i}"),
-               "--wait-for-peers", str(peers), *peer_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "join",
+            "--config",
+            str(spec_path),
+            "--until-round",
+            str(rounds),
+            "--log-file",
+            str(folder / f"peer{i}.jsonl"),
+            "--final-weights",
+            str(folder / f"peer{i}.safetensors"),
+            "--shard",
+            f"{i}/{peers}",
+            "--checkpoint-dir",
+            str(folder / f"ckpt{i}"),
+            "--wait-for-peers",
+            str(peers),
+            *peer_args,
+        ]
         if initial:
             cmd += ["--initial-peers", initial]
         else:
@@ -132,8 +175,9 @@ def run_swarm(spec: RunSpec, *, peers: int, rounds: int, quiet: bool, plot: Path
         # Share the cores instead of every peer's torch grabbing all of them.
         threads = str(max(1, (os.cpu_count() or 1) // peers))
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+        return subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
 
     # Ctrl-C (or SIGTERM) only sets a flag that every wait below checks: a KeyboardInterrupt raised at an
     # arbitrary point could leave a peer started but not yet in ``procs`` (never stopped), or interrupt
@@ -155,8 +199,11 @@ def run_swarm(spec: RunSpec, *, peers: int, rounds: int, quiet: bool, plot: Path
                     break
                 procs.append(launch(i, bootstrap))
         if not stop_requested.is_set():
-            with Live(table(peer_rows(folder, peers), rounds), console=console, refresh_per_second=2,
-                      transient=False) if not quiet else _NoLive() as live:
+            with (
+                Live(table(peer_rows(folder, peers), rounds), console=console, refresh_per_second=2, transient=False)
+                if not quiet
+                else _NoLive() as live
+            ):
                 while any(p.poll() is None for p in procs) and not stop_requested.is_set():
                     live.update(table(peer_rows(folder, peers), rounds))
                     stop_requested.wait(0.5)
@@ -174,21 +221,26 @@ def run_swarm(spec: RunSpec, *, peers: int, rounds: int, quiet: bool, plot: Path
         rows = peer_rows(folder, peers)
         failed = [i for i, p in enumerate(procs) if p.returncode not in (0, None) and not interrupted]
         for i in failed:
-            console.print(f"[red]peer {i} exited with {procs[i].returncode}:[/]\n"
-                          + (folder / f"peer{i}.err").read_text()[-1500:])
+            console.print(
+                f"[red]peer {i} exited with {procs[i].returncode}:[/]\n" + (folder / f"peer{i}.err").read_text()[-1500:]
+            )
         finals = [next((e for e in r["events"] if e["event"] == "finished"), None) for r in rows]
         done = [f for f in finals if f]
         summary = {
-            "peers": peers, "rounds": rounds,
-            "rounds_completed": min((f["rounds_completed"] for f in done), default=0) if len(done) == peers else
-            min((r["round"] for r in rows), default=0),
+            "peers": peers,
+            "rounds": rounds,
+            "rounds_completed": min((f["rounds_completed"] for f in done), default=0)
+            if len(done) == peers
+            else min((r["round"] for r in rows), default=0),
             "initial_loss": _mean([f["initial_loss"] for f in done]),
             "final_loss": _mean([f["final_loss"] for f in done]),
             "bytes_sent": sum(f["bytes_sent"] for f in done),
             "max_weight_distance": max_weight_distance([folder / f"peer{i}.safetensors" for i in range(peers)]),
             "wait_fraction": _mean([f["wait_s"] / max(1e-9, _wall(r["events"])) for f, r in zip(finals, rows) if f]),
             "first_heartbeat_s": max((f["first_heartbeat_s"] for f in done), default=None),
-            "wall_s": time.perf_counter() - t0, "interrupted": interrupted, "failed_peers": failed,
+            "wall_s": time.perf_counter() - t0,
+            "interrupted": interrupted,
+            "failed_peers": failed,
         }
         if plot is not None:
             write_swarm_plot(plot, rows)
@@ -197,10 +249,11 @@ def run_swarm(spec: RunSpec, *, peers: int, rounds: int, quiet: bool, plot: Path
             shutil.copytree(folder, keep, dirs_exist_ok=True)
         if not quiet:
             console.print()
-            console.print(f"swarm: {summary['rounds_completed']}/{rounds} rounds, loss {summary['initial_loss']:.3f} -> "
-                          f"{summary['final_loss']:.3f}, {summary['bytes_sent'] / 1e6:.1f} MB sent, "
-                          f"max weight distance {summary['max_weight_distance']:.4f}"
-                          + (f", plot {plot}" if plot else ""))
+            console.print(
+                f"swarm: {summary['rounds_completed']}/{rounds} rounds, loss {summary['initial_loss']:.3f} -> "
+                f"{summary['final_loss']:.3f}, {summary['bytes_sent'] / 1e6:.1f} MB sent, "
+                f"max weight distance {summary['max_weight_distance']:.4f}" + (f", plot {plot}" if plot else "")
+            )
         return summary
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -217,7 +270,7 @@ def _mean(xs: list[float]) -> float:
 
 
 class _NoLive:
-    def __enter__(self) -> "_NoLive":
+    def __enter__(self) -> _NoLive:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -37,8 +37,10 @@ class Metrics:
             "bytes_received": ("locomm_bytes_received", "Payload bytes received"),
             "wait_s": ("locomm_compute_wait_seconds", "Time compute waited on the network"),
         }
-        self._g = {key: Gauge(name, doc, registry=reg, labelnames=["peer"]).labels(peer=peer[-12:])
-                   for key, (name, doc) in gauges.items()}
+        self._g = {
+            key: Gauge(name, doc, registry=reg, labelnames=["peer"]).labels(peer=peer[-12:])
+            for key, (name, doc) in gauges.items()
+        }
         try:
             self._server, _ = start_http_server(port, addr=host, registry=reg)
         except OSError as e:  # a bad address or a taken port: one line for the user, not a traceback

@@ -39,13 +39,20 @@ from hivemind.p2p import P2P
 from locomm import PROTOCOL_VERSION, __version__
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
-from locomm.protocol import build_outer
 from locomm.peer.gossip import Faults, Gossip
 from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.rpc import Limits, RpcServer
 from locomm.peer.state import Snapshot, StateServer, fetch_state
-from locomm.peer.swarm import (MEMBER_LAG_ROUNDS, Heartbeat, fetch_spec, members_for_round, publish_spec,
-                               read_heartbeats, store_heartbeat)
+from locomm.peer.swarm import (
+    MEMBER_LAG_ROUNDS,
+    Heartbeat,
+    fetch_spec,
+    members_for_round,
+    publish_spec,
+    read_heartbeats,
+    store_heartbeat,
+)
+from locomm.protocol import build_outer
 
 log = logging.getLogger(__name__)
 JOIN_MARGIN_ROUNDS = 2
@@ -98,8 +105,10 @@ class NodeOptions:
 class Node:
     def __init__(self, spec: RunSpec, opts: NodeOptions) -> None:
         if spec.outer.algo not in ("noloco", "gasloc", "sparseloco", "diloco"):
-            raise ConfigError(f"outer.algo: the peer daemon runs noloco, gasloc, sparseloco or diloco; "
-                              f"{spec.outer.algo!r} is a simulator baseline (locomm-peer simulate)")
+            raise ConfigError(
+                f"outer.algo: the peer daemon runs noloco, gasloc, sparseloco or diloco; "
+                f"{spec.outer.algo!r} is a simulator baseline (locomm-peer simulate)"
+            )
         self.spec = spec
         self.opts = opts
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locomm-compute")
@@ -157,11 +166,14 @@ class Node:
         if remote is None:
             raise SpecMismatch("no run spec found in the swarm (is --initial-peers right?)")
         if remote["version"] != PROTOCOL_VERSION:
-            raise SpecMismatch(f"the swarm speaks protocol {remote['version']}, this peer {PROTOCOL_VERSION}; "
-                               "upgrade locomm")
+            raise SpecMismatch(
+                f"the swarm speaks protocol {remote['version']}, this peer {PROTOCOL_VERSION}; upgrade locomm"
+            )
         if self.opts.spec_from_user and remote["hash"] != self.spec.hash():
-            raise SpecMismatch(f"the swarm's run spec {remote['hash'][:12]} differs from yours "
-                               f"{self.spec.hash()[:12]}; join without --config to take the swarm's")
+            raise SpecMismatch(
+                f"the swarm's run spec {remote['hash'][:12]} differs from yours "
+                f"{self.spec.hash()[:12]}; join without --config to take the swarm's"
+            )
         spec = RunSpec.from_toml(remote["toml"])
         if spec.hash() != remote["hash"]:
             raise SpecMismatch("the swarm's published spec does not match its own hash")
@@ -170,22 +182,29 @@ class Node:
     def _build(self, shard: tuple[int, int]) -> None:
         from locomm.train import Trainer, resolve_device  # noqa: PLC0415
 
-        self.trainer = Trainer(self.spec, device=resolve_device(self.opts.device), worker_id=shard[0],
-                               num_workers=shard[1])
+        self.trainer = Trainer(
+            self.spec, device=resolve_device(self.opts.device), worker_id=shard[0], num_workers=shard[1]
+        )
         self.algo = build_outer(self.spec.outer, self.params(), self.me)
 
     def _payload_codec(self) -> PayloadCodec:
         """The one role-aware codec of this run's payloads (the simulator builds the same one)."""
-        return PayloadCodec({k: tuple(p.shape) for k, p in self.params().items()}, self.algo.payload_roles,
-                            self.spec.compression, encoded=self.algo.payload_encoded)
+        return PayloadCodec(
+            {k: tuple(p.shape) for k, p in self.params().items()},
+            self.algo.payload_roles,
+            self.spec.compression,
+            encoded=self.algo.payload_encoded,
+        )
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
-        return {**{f"model/{k}": v for k, v in self.algo.phi.items()},
-                **{f"outer/{k}": v for k, v in self.algo.state_dict().items()}}
+        return {
+            **{f"model/{k}": v for k, v in self.algo.phi.items()},
+            **{f"outer/{k}": v for k, v in self.algo.state_dict().items()},
+        }
 
     def _load_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        model = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-        outer = {k[len("outer/"):]: v for k, v in tensors.items() if k.startswith("outer/")}
+        model = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
+        outer = {k[len("outer/") :]: v for k, v in tensors.items() if k.startswith("outer/")}
         with torch.no_grad():
             for k, p in self.params().items():
                 p.copy_(model[k])
@@ -223,14 +242,20 @@ class Node:
             self.phase = "syncing"
             got = None
             for attempt in range(STATE_ATTEMPTS):  # the state moved on twice while we fetched: ask again
-                got = await fetch_state(self.p2p, run_id=self.run_id, me=self.me, donors=donors,
-                                        limits=self.limits, max_bytes=max_bytes, on_fault=self.faults.record)
+                got = await fetch_state(
+                    self.p2p,
+                    run_id=self.run_id,
+                    me=self.me,
+                    donors=donors,
+                    limits=self.limits,
+                    max_bytes=max_bytes,
+                    on_fault=self.faults.record,
+                )
                 if got is not None or self.stop.is_set():
                     break
                 log.info("state download %d/%d failed; asking the donors again", attempt + 1, STATE_ATTEMPTS)
             if got is None:
-                log.warning("could not download state from %d donors; starting from the initial weights",
-                            len(donors))
+                log.warning("could not download state from %d donors; starting from the initial weights", len(donors))
                 self.events.write("sync_failed", donors=len(donors))
             else:
                 donor_round, tensors = got
@@ -266,17 +291,28 @@ class Node:
 
     async def _heartbeat(self) -> None:
         assert self.dht is not None and self.p2p is not None
-        record = {"round": self.round, "join_round": self.join_round, "step": self.trainer.step,
-                  "started": self.started,
-                  "loss": _finite(self.last_loss), "val_loss": _finite(self.val_loss),
-                  "tokens_per_s": self.tokens_per_s, "bytes_sent": self._bytes_sent(),
-                  "last_exchange": self.gossip.stats.last_exchange, "version": __version__,
-                  "maddrs": [str(m) for m in self.maddrs],
-                  "avg_maddrs": self.averager.maddrs() if self.averager is not None else [],
-                  # What partners need for an ETA of our payload: when this round's compute began, how long
-                  # a round takes us, how fast we upload, to how many partners.
-                  "round_t0": self.round_t0, "round_s": self.round_s, "up_Bps": self.gossip.stats.up_Bps,
-                  "partners": self.partners, "faults": self.faults.total, "banned": len(self.faults.banned)}
+        record = {
+            "round": self.round,
+            "join_round": self.join_round,
+            "step": self.trainer.step,
+            "started": self.started,
+            "loss": _finite(self.last_loss),
+            "val_loss": _finite(self.val_loss),
+            "tokens_per_s": self.tokens_per_s,
+            "bytes_sent": self._bytes_sent(),
+            "last_exchange": self.gossip.stats.last_exchange,
+            "version": __version__,
+            "maddrs": [str(m) for m in self.maddrs],
+            "avg_maddrs": self.averager.maddrs() if self.averager is not None else [],
+            # What partners need for an ETA of our payload: when this round's compute began, how long
+            # a round takes us, how fast we upload, to how many partners.
+            "round_t0": self.round_t0,
+            "round_s": self.round_s,
+            "up_Bps": self.gossip.stats.up_Bps,
+            "partners": self.partners,
+            "faults": self.faults.total,
+            "banned": len(self.faults.banned),
+        }
         # The record outlives the membership lag (MEMBER_LAG_ROUNDS rounds), so a peer that died drops out of
         # every peer's member list by its frozen round counter, at the same round, not by a clock.
         ttl = max(self.spec.network.heartbeat_ttl_s, (MEMBER_LAG_ROUNDS + 2) * self.round_s)
@@ -322,6 +358,7 @@ class Node:
             arrive = max(ready, now_wall) + wire * partners / up
             # Slack: a stall timeout, and a quarter of a round for jitter in the partner's compute.
             return now + (arrive - now_wall) + net.stall_timeout_s + 0.25 * round_s
+
         return eta
 
     def _bytes_sent(self) -> int:
@@ -333,14 +370,26 @@ class Node:
     def status(self) -> dict[str, Any]:
         """What the node is doing now, for the live display (locomm.peer.display); called once the node's
         trainer and services exist (the report loop and round_done start after them)."""
-        return {"peer": self.me[-8:], "round": self.round, "end_round": self.end_round, "step": self.trainer.step,
-                "loss": _finite(self.last_loss), "val_loss": _finite(self.val_loss),
-                "tokens_per_s": self.tokens_per_s, "members": self.members, "partners": self.partners,
-                "answered": self.last_answered, "bytes_sent": self._bytes_sent(),
-                "bytes_received": self._bytes_received(), "wait_s": self.wait_s,
-                "wall_s": time.perf_counter() - self.t_train, "phase": self.phase,
-                "transfers": [m.view() for m in list(self.rpc.meters)], "faults": self.faults.total,
-                "banned": len(self.faults.banned)}
+        return {
+            "peer": self.me[-8:],
+            "round": self.round,
+            "end_round": self.end_round,
+            "step": self.trainer.step,
+            "loss": _finite(self.last_loss),
+            "val_loss": _finite(self.val_loss),
+            "tokens_per_s": self.tokens_per_s,
+            "members": self.members,
+            "partners": self.partners,
+            "answered": self.last_answered,
+            "bytes_sent": self._bytes_sent(),
+            "bytes_received": self._bytes_received(),
+            "wait_s": self.wait_s,
+            "wall_s": time.perf_counter() - self.t_train,
+            "phase": self.phase,
+            "transfers": [m.view() for m in list(self.rpc.meters)],
+            "faults": self.faults.total,
+            "banned": len(self.faults.banned),
+        }
 
     async def _report_loop(self) -> None:
         while not self.stop.is_set():
@@ -451,8 +500,9 @@ class Node:
                 break
             # Bans are not applied here: every peer must derive the same groups; a banned or unreachable
             # partner is skipped at exchange time instead.
-            members = members_for_round(await self._read_beats(), self.round, self.me,
-                                        fresh_s=self.spec.network.heartbeat_ttl_s)
+            members = members_for_round(
+                await self._read_beats(), self.round, self.me, fresh_s=self.spec.network.heartbeat_ttl_s
+            )
             plan, sent = await self.compute(self._plan, self.round, members)
             self.members, self.partners = len(members), len(plan.peers)
             task = asyncio.create_task(self._exchange(self.round, plan))
@@ -464,16 +514,35 @@ class Node:
             if eval_rounds and self.round % eval_rounds == 0:
                 self.val_loss = await self.compute(self.trainer.evaluate)
             wall = time.perf_counter() - t_start
-            self.metrics.set(round=self.round, step=self.trainer.step, loss=self.last_loss,
-                             tokens_per_s=self.tokens_per_s, members=len(members),
-                             bytes_sent=self._bytes_sent(), bytes_received=self._bytes_received(),
-                             wait_s=self.wait_s)
-            self.events.write("round", round=self.round, step=self.trainer.step, loss=self.last_loss,
-                              val_loss=_finite(self.val_loss), members=len(members), peers=len(plan.peers),
-                              partners=sorted(plan.peers), member_ids=members,
-                              answered=self.last_answered, bytes_sent=self._bytes_sent(),
-                              bytes_received=self._bytes_received(), wait_s=self.wait_s, wall_s=wall,
-                              compute_s=compute_s, tokens_per_s=self.tokens_per_s, faults=self.faults.total)
+            self.metrics.set(
+                round=self.round,
+                step=self.trainer.step,
+                loss=self.last_loss,
+                tokens_per_s=self.tokens_per_s,
+                members=len(members),
+                bytes_sent=self._bytes_sent(),
+                bytes_received=self._bytes_received(),
+                wait_s=self.wait_s,
+            )
+            self.events.write(
+                "round",
+                round=self.round,
+                step=self.trainer.step,
+                loss=self.last_loss,
+                val_loss=_finite(self.val_loss),
+                members=len(members),
+                peers=len(plan.peers),
+                partners=sorted(plan.peers),
+                member_ids=members,
+                answered=self.last_answered,
+                bytes_sent=self._bytes_sent(),
+                bytes_received=self._bytes_received(),
+                wait_s=self.wait_s,
+                wall_s=wall,
+                compute_s=compute_s,
+                tokens_per_s=self.tokens_per_s,
+                faults=self.faults.total,
+            )
             if self.reporter is not None:
                 with contextlib.suppress(Exception):
                     self.reporter.round_done(self.status())
@@ -488,20 +557,38 @@ class Node:
     def _make_services(self) -> None:
         """The RPC server, gossip over ``self.codec`` and the state server (not yet added to the server)."""
         cfg = self.spec.network
-        self.rpc = RpcServer(self.p2p, self.run_id, self.limits, self.codec_pool, authorize=self._authorize,
-                             is_banned=lambda peer: peer in self.faults.banned, on_fault=self.faults.record)
-        self.gossip = Gossip(self.p2p, self.rpc, run_id=self.run_id, me=self.me, codec=self.codec,
-                             limits=self.limits, faults=self.faults,
-                             max_body_bytes=int(cfg.max_message_mb * 2**20), streams=cfg.streams_per_transfer,
-                             parallel_threshold=int(cfg.parallel_threshold_mb * 2**20), max_wait_s=cfg.max_wait_s)
+        self.rpc = RpcServer(
+            self.p2p,
+            self.run_id,
+            self.limits,
+            self.codec_pool,
+            authorize=self._authorize,
+            is_banned=lambda peer: peer in self.faults.banned,
+            on_fault=self.faults.record,
+        )
+        self.gossip = Gossip(
+            self.p2p,
+            self.rpc,
+            run_id=self.run_id,
+            me=self.me,
+            codec=self.codec,
+            limits=self.limits,
+            faults=self.faults,
+            max_body_bytes=int(cfg.max_message_mb * 2**20),
+            streams=cfg.streams_per_transfer,
+            parallel_threshold=int(cfg.parallel_threshold_mb * 2**20),
+            max_wait_s=cfg.max_wait_s,
+        )
         self.state_server = StateServer(self.run_id)
 
     async def _connect(self) -> None:
         """Our P2P daemon and DHT node, joined to the initial peers; the swarm's run spec settled."""
-        self.p2p = await P2P.create(initial_peers=list(self.opts.initial_peers) or None,
-                                    host_maddrs=list(self.opts.host_maddrs),
-                                    announce_maddrs=list(self.opts.announce_maddrs) or None,
-                                    identity_path=str(self.opts.identity) if self.opts.identity else None)
+        self.p2p = await P2P.create(
+            initial_peers=list(self.opts.initial_peers) or None,
+            host_maddrs=list(self.opts.host_maddrs),
+            announce_maddrs=list(self.opts.announce_maddrs) or None,
+            identity_path=str(self.opts.identity) if self.opts.identity else None,
+        )
         self.me = self.p2p.peer_id.to_base58()
         self.maddrs = await self.p2p.get_visible_maddrs()
         self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=list(self.opts.initial_peers) or None)
@@ -522,9 +609,19 @@ class Node:
             self.faults = Faults(self.spec.network.max_faults_before_ban)
             # Announce ourselves at once (a joiner as not yet admitted), then build while it propagates.
             self.join_round = NOT_ADMITTED if self.opts.initial_peers else 0
-            await store_heartbeat(self.dht, self.run_id, self.me, {"round": 0, "join_round": self.join_round,
-                                  "step": 0, "version": __version__, "maddrs": [str(m) for m in self.maddrs]},
-                                  self.spec.network.heartbeat_ttl_s)
+            await store_heartbeat(
+                self.dht,
+                self.run_id,
+                self.me,
+                {
+                    "round": 0,
+                    "join_round": self.join_round,
+                    "step": 0,
+                    "version": __version__,
+                    "maddrs": [str(m) for m in self.maddrs],
+                },
+                self.spec.network.heartbeat_ttl_s,
+            )
             first_heartbeat_s = time.perf_counter() - t_launch
             first_heartbeat_at = time.time()
             shard = self.opts.shard or (int(self.me.encode().hex()[-8:], 16) % 64, 64)
@@ -548,10 +645,18 @@ class Node:
                 report_task = asyncio.create_task(self._report_loop())
             if self.opts.announce_file:
                 self.opts.announce_file.write_text("\n".join(str(m) for m in self.maddrs) + "\n")
-            self.events.write("started", peer=self.me, maddrs=[str(m) for m in self.maddrs], round=self.round,
-                              run=self.run_id, resumed=resumed, first_heartbeat_s=first_heartbeat_s,
-                              first_heartbeat_at=first_heartbeat_at,
-                              metrics_port=self.metrics.port, algo=self.spec.outer.algo)
+            self.events.write(
+                "started",
+                peer=self.me,
+                maddrs=[str(m) for m in self.maddrs],
+                round=self.round,
+                run=self.run_id,
+                resumed=resumed,
+                first_heartbeat_s=first_heartbeat_s,
+                first_heartbeat_at=first_heartbeat_at,
+                metrics_port=self.metrics.port,
+                algo=self.spec.outer.algo,
+            )
             log.info("peer %s up; others join with --initial-peers %s", self.me, self.maddrs[0] if self.maddrs else "?")
             if self.opts.wait_for_peers > 1:
                 await self._wait_for_peers(self.opts.wait_for_peers)
@@ -571,22 +676,36 @@ class Node:
             if self.opts.final_weights and not self.stop.is_set():
                 from safetensors.torch import save_file  # noqa: PLC0415
 
-                await self.compute(save_file, {k: v.contiguous() for k, v in self.algo.phi.items()},
-                                   str(self.opts.final_weights))
+                await self.compute(
+                    save_file, {k: v.contiguous() for k, v in self.algo.phi.items()}, str(self.opts.final_weights)
+                )
             g = self.gossip.stats
-            self.summary = {"peer": self.me, "rounds_completed": self.round, "initial_loss": initial_val,
-                            "final_loss": final_val, "bytes_sent": self._bytes_sent(),
-                            "bytes_received": self._bytes_received(),
-                            "exchanges_ok": g.exchanges_ok, "exchanges_failed": g.exchanges_failed,
-                            "bytes_undelivered": g.bytes_undelivered, "pushes_ok": g.pushes_ok, "pushes_failed": g.pushes_failed, "pulls": g.pulls,
-                            "unreachable": g.unreachable, "transfers_cut": self.rpc.stats.cut,
-                            "faults": self.faults.total, "banned": len(self.faults.banned),
-                            "banned_peers": sorted(self.faults.banned),
-                            "wait_s": self.wait_s, "wall_s": time.perf_counter() - self.t_train,
-                            "steps": self.trainer.step, "members": self.members,
-                            "first_heartbeat_s": first_heartbeat_s,
-                            "errors_answered": dict(self.rpc.stats.errors_answered),
-                            "interrupted": self.stop.is_set()}
+            self.summary = {
+                "peer": self.me,
+                "rounds_completed": self.round,
+                "initial_loss": initial_val,
+                "final_loss": final_val,
+                "bytes_sent": self._bytes_sent(),
+                "bytes_received": self._bytes_received(),
+                "exchanges_ok": g.exchanges_ok,
+                "exchanges_failed": g.exchanges_failed,
+                "bytes_undelivered": g.bytes_undelivered,
+                "pushes_ok": g.pushes_ok,
+                "pushes_failed": g.pushes_failed,
+                "pulls": g.pulls,
+                "unreachable": g.unreachable,
+                "transfers_cut": self.rpc.stats.cut,
+                "faults": self.faults.total,
+                "banned": len(self.faults.banned),
+                "banned_peers": sorted(self.faults.banned),
+                "wait_s": self.wait_s,
+                "wall_s": time.perf_counter() - self.t_train,
+                "steps": self.trainer.step,
+                "members": self.members,
+                "first_heartbeat_s": first_heartbeat_s,
+                "errors_answered": dict(self.rpc.stats.errors_answered),
+                "interrupted": self.stop.is_set(),
+            }
             self.events.write("finished", **self.summary)
             if self.reporter is not None:
                 with contextlib.suppress(Exception):
@@ -622,9 +741,15 @@ class Node:
         net = self.spec.network
         payload_bytes = 4 * sum(math.prod(t.shape) for t in self.codec.tensors)
         allreduce_s = net.request_timeout_s + 2 * payload_bytes / (net.min_rate_mbit * 1e6 / 8)
-        self.averager = AveragerExchange(names, shapes, run_id=self.run_id, initial_peers=bootstrap,
-                                         timeout=net.request_timeout_s, allreduce_timeout=allreduce_s,
-                                         group_size=group)
+        self.averager = AveragerExchange(
+            names,
+            shapes,
+            run_id=self.run_id,
+            initial_peers=bootstrap,
+            timeout=net.request_timeout_s,
+            allreduce_timeout=allreduce_s,
+            group_size=group,
+        )
 
     async def _shutdown(self) -> None:
         if self.averager is not None:

@@ -34,16 +34,27 @@ import contextlib
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
-from locomm.protocol.messages import (FAULT_CODES, HEADER_LEN, PART_LEN, ErrorCode, Message, ProtocolViolation,
-                                      check_response, decode_header, pack_frame, read_header_length,
-                                      response_header, validate_header)
+from locomm.protocol.messages import (
+    FAULT_CODES,
+    HEADER_LEN,
+    PART_LEN,
+    ErrorCode,
+    Message,
+    ProtocolViolation,
+    check_response,
+    decode_header,
+    pack_frame,
+    read_header_length,
+    response_header,
+    validate_header,
+)
 
 log = logging.getLogger(__name__)
 IO_CHUNK = 1 << 18
@@ -63,10 +74,14 @@ class Limits:
     max_streams_per_peer: int = 16
 
     @classmethod
-    def from_network(cls, cfg: Any) -> "Limits":
-        return cls(request_timeout_s=cfg.request_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
-                   min_rate_Bps=cfg.min_rate_mbit * 1e6 / 8, rate_window_s=cfg.rate_window_s,
-                   max_streams_per_peer=cfg.max_streams_per_peer)
+    def from_network(cls, cfg: Any) -> Limits:
+        return cls(
+            request_timeout_s=cfg.request_timeout_s,
+            stall_timeout_s=cfg.stall_timeout_s,
+            min_rate_Bps=cfg.min_rate_mbit * 1e6 / 8,
+            rate_window_s=cfg.rate_window_s,
+            max_streams_per_peer=cfg.max_streams_per_peer,
+        )
 
     def deadline_s(self, nbytes: int, streams: int = 1) -> float:
         """How long ``nbytes`` may take on one of ``streams`` parallel streams at the floor rate."""
@@ -92,15 +107,22 @@ class Meter:
     def view(self) -> dict[str, Any]:
         rate = self.rate_Bps
         left = max(0, self.total - self.done)
-        return {"peer": self.peer[-8:], "direction": self.direction, "done": self.done, "total": self.total,
-                "rate_bps": rate, "eta_s": left / rate if rate > 0 else None}
+        return {
+            "peer": self.peer[-8:],
+            "direction": self.direction,
+            "done": self.done,
+            "total": self.total,
+            "rate_bps": rate,
+            "eta_s": left / rate if rate > 0 else None,
+        }
 
 
 class Link:
     """One stream's reads and writes under the limits (stall, floor rate over a window, size deadline)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limits: Limits, meter: Meter,
-                 streams: int = 1) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limits: Limits, meter: Meter, streams: int = 1
+    ) -> None:
         self.reader, self.writer, self.limits, self.meter = reader, writer, limits, meter
         self.streams = max(1, streams)
         self.deadline: float | None = None
@@ -130,8 +152,10 @@ class Link:
         if span >= self.limits.rate_window_s:
             floor = self.limits.min_rate_Bps / self.streams
             if (self._moved - b0) < floor * span:
-                raise TransferCut(f"{(self._moved - b0) / span * 8 / 1e6:.2f} Mbit/s over {span:.0f} s, "
-                                  f"below the floor of {floor * 8 / 1e6:.2f} Mbit/s")
+                raise TransferCut(
+                    f"{(self._moved - b0) / span * 8 / 1e6:.2f} Mbit/s over {span:.0f} s, "
+                    f"below the floor of {floor * 8 / 1e6:.2f} Mbit/s"
+                )
         if self.deadline is not None and now > self.deadline:
             raise TransferCut(f"past the deadline for {self.meter.total} bytes at the floor rate")
 
@@ -173,7 +197,7 @@ class Link:
                 raise TransferCut(f"no bytes for {self._timeout():.0f} s ({got} of {n} read)") from None
             if not chunk:
                 raise ConnectionError(f"stream ended after {got} of {n} bytes")
-            view[got:got + len(chunk)] = chunk
+            view[got : got + len(chunk)] = chunk
             got += len(chunk)
             self._progress(len(chunk), time.monotonic() - t0)
         return buf
@@ -204,7 +228,7 @@ class Link:
     async def write_bytes(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
         for off in range(0, len(view), IO_CHUNK):
-            piece = view[off:off + IO_CHUNK]
+            piece = view[off : off + IO_CHUNK]
             t0 = time.monotonic()
             self.writer.write(piece)
             try:
@@ -222,8 +246,7 @@ class Link:
 
     async def read_answer(self, extra_s: float = 0.0) -> tuple[ErrorCode, dict[str, Any]]:
         """The peer's answer header: waits a stall timeout (plus ``extra_s`` for its decoding)."""
-        resp = await self._read_frame(self.limits.stall_timeout_s + self.limits.request_timeout_s + extra_s,
-                                      "answer")
+        resp = await self._read_frame(self.limits.stall_timeout_s + self.limits.request_timeout_s + extra_s, "answer")
         return check_response(resp), resp
 
 
@@ -240,7 +263,7 @@ class Call:
     remote: str
     msg: Message
     link: Link
-    server: "RpcServer"
+    server: RpcServer
     answered: bool = False
 
     async def answer(self, code: ErrorCode = ErrorCode.OK, message: str = "", **fields: Any) -> None:
@@ -270,9 +293,17 @@ class RpcStats:
 class RpcServer:
     """Serves locomm's services on one P2P instance."""
 
-    def __init__(self, p2p: P2P, run_id: str, limits: Limits, pool: Executor, *,
-                 authorize: Authorize | None = None, is_banned: Callable[[str], bool] = lambda _: False,
-                 on_fault: Callable[[str, str], None] = lambda *_: None) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        run_id: str,
+        limits: Limits,
+        pool: Executor,
+        *,
+        authorize: Authorize | None = None,
+        is_banned: Callable[[str], bool] = lambda _: False,
+        on_fault: Callable[[str, str], None] = lambda *_: None,
+    ) -> None:
         self.p2p, self.run_id, self.limits, self.pool = p2p, run_id, limits, pool
         self.authorize = authorize
         self.is_banned = is_banned
@@ -294,8 +325,9 @@ class RpcServer:
         """Run a decode (or encode) in the codec pool, off the loop and off the compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def _serve(self, service: Service, remote: str, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> None:
+    async def _serve(
+        self, service: Service, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         meter = Meter(remote, "recv")
         link = Link(reader, writer, self.limits, meter)
         call: Call | None = None
@@ -314,8 +346,9 @@ class RpcServer:
                         await link.read_header()
                     raise ProtocolViolation(ErrorCode.NOT_READY, "too many open streams from this peer")
                 header = await link.read_header()
-                msg = validate_header(header, run_id=self.run_id, expected=None, max_body_bytes=1 << 62,
-                                      types=tuple(service.handlers))
+                msg = validate_header(
+                    header, run_id=self.run_id, expected=None, max_body_bytes=1 << 62, types=tuple(service.handlers)
+                )
                 if msg.sender != remote:
                     raise ProtocolViolation(ErrorCode.MALFORMED, "sender does not match the stream's peer id")
                 if self.authorize is not None and not await self.authorize(remote, service.policy):
@@ -371,12 +404,14 @@ async def _drain(reader: asyncio.StreamReader, max_bytes: int, max_s: float) -> 
 
 # ------------------------------------------------------------------------------ client
 
+
 class Unreachable(Exception):
     """The peer could not be dialled (behind NAT, gone): not a fault."""
 
 
-async def open_link(p2p: P2P, peer: str, handler: str, limits: Limits, direction: str = "send",
-                    streams: int = 1) -> Link:
+async def open_link(
+    p2p: P2P, peer: str, handler: str, limits: Limits, direction: str = "send", streams: int = 1
+) -> Link:
     try:
         async with asyncio.timeout(limits.request_timeout_s):
             _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
@@ -387,8 +422,14 @@ async def open_link(p2p: P2P, peer: str, handler: str, limits: Limits, direction
     return Link(reader, writer, limits, Meter(peer, direction), streams)
 
 
-async def request(p2p: P2P, peer: str, handler: str, header: Mapping[str, Any], limits: Limits,
-                  body: Callable[[Link, dict[str, Any]], Awaitable[Any]] | None = None) -> tuple[dict[str, Any], Any]:
+async def request(
+    p2p: P2P,
+    peer: str,
+    handler: str,
+    header: Mapping[str, Any],
+    limits: Limits,
+    body: Callable[[Link, dict[str, Any]], Awaitable[Any]] | None = None,
+) -> tuple[dict[str, Any], Any]:
     """One request: send ``header``, read the answer; ``body(link, answer)`` reads what follows an OK."""
     link = await open_link(p2p, peer, handler, limits, "recv")
     try:

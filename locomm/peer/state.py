@@ -24,8 +24,15 @@ import torch
 from hivemind.p2p import P2P
 
 from locomm.peer.rpc import Call, Limits, Link, Service, request
-from locomm.protocol.messages import (MAX_NAMES_PER_REQUEST, ErrorCode, ProtocolViolation, state_fetch_header,
-                                      state_manifest_header, validate_manifest, validate_state_fetch)
+from locomm.protocol.messages import (
+    MAX_NAMES_PER_REQUEST,
+    ErrorCode,
+    ProtocolViolation,
+    state_fetch_header,
+    state_manifest_header,
+    validate_manifest,
+    validate_state_fetch,
+)
 
 log = logging.getLogger(__name__)
 FETCH_BATCH_BYTES = 32 << 20
@@ -44,7 +51,7 @@ class Snapshot:
     state_hash: str
 
     @classmethod
-    def take(cls, round_idx: int, tensors: Mapping[str, torch.Tensor]) -> "Snapshot":
+    def take(cls, round_idx: int, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
         clean = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
         manifest = [{"name": k, "shape": list(v.shape), "sha256": _digest(v)} for k, v in sorted(clean.items())]
         h = hashlib.sha256(repr([(m["name"], m["shape"], m["sha256"]) for m in manifest]).encode()).hexdigest()
@@ -75,8 +82,7 @@ class StateServer:
         self._previous, self._current = self._current, snap
 
     def _by_hash(self, state_hash: str) -> Snapshot | None:
-        return next((s for s in (self._current, self._previous) if s is not None and s.state_hash == state_hash),
-                    None)
+        return next((s for s in (self._current, self._previous) if s is not None and s.state_hash == state_hash), None)
 
     def service(self) -> Service:
         return Service("state", {"state_manifest": self._manifest, "state_fetch": self._fetch}, policy="announced")
@@ -104,8 +110,9 @@ class StateServer:
             await call.link.write_part(memoryview(t.numpy()).cast("B"))
 
 
-async def fetch_state(p2p: P2P, *, run_id: str, me: str, donors: list[str], limits: Limits, max_bytes: int,
-                      on_fault: Any = None) -> tuple[int, dict[str, torch.Tensor]] | None:
+async def fetch_state(
+    p2p: P2P, *, run_id: str, me: str, donors: list[str], limits: Limits, max_bytes: int, on_fault: Any = None
+) -> tuple[int, dict[str, torch.Tensor]] | None:
     """Download the newest state most donors agree on; None when no donor could give it."""
     handler = f"locomm.{run_id}.state"
     manifests: dict[str, tuple[int, list[dict[str, Any]]]] = {}
@@ -167,8 +174,14 @@ async def fetch_state(p2p: P2P, *, run_id: str, me: str, donors: list[str], limi
         while not queue.empty():
             names = queue.get_nowait()
             try:
-                _, parts = await request(p2p, donor, handler, state_fetch_header(run_id, me, names, best), limits,
-                                         body=lambda link, resp, names=names: read_body(names, link, resp))
+                _, parts = await request(
+                    p2p,
+                    donor,
+                    handler,
+                    state_fetch_header(run_id, me, names, best),
+                    limits,
+                    body=lambda link, resp, names=names: read_body(names, link, resp),
+                )
                 for name, data in zip(names, parts):
                     m = entries[name]
                     if hashlib.sha256(data).hexdigest() != m["sha256"]:

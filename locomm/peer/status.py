@@ -34,15 +34,27 @@ async def snapshot(initial_peers: list[str]) -> dict[str, Any]:
             peers = []
             for b in beats:
                 f = b.fields
-                peers.append({"peer": b.peer, "round": b.round, "join_round": b.join_round, "step": f.get("step"),
-                              "loss": f.get("loss"), "val_loss": f.get("val_loss"),
-                              "tokens_per_s": f.get("tokens_per_s"), "bytes_sent": f.get("bytes_sent"),
-                              "last_exchange_s_ago": (time.time() - f["last_exchange"]) if f.get("last_exchange")
-                              else None, "heartbeat_age_s": now - float(f.get("time", now)),
-                              "version": f.get("version"),
-                              # pipeline mode: the stage this peer serves, its micro-batches/s, re-routes, losses
-                              **({k: f.get(k) for k in ("stage", "mb_per_s", "rerouted", "lost")}
-                                 if isinstance(f.get("stage"), int) else {})})
+                peers.append(
+                    {
+                        "peer": b.peer,
+                        "round": b.round,
+                        "join_round": b.join_round,
+                        "step": f.get("step"),
+                        "loss": f.get("loss"),
+                        "val_loss": f.get("val_loss"),
+                        "tokens_per_s": f.get("tokens_per_s"),
+                        "bytes_sent": f.get("bytes_sent"),
+                        "last_exchange_s_ago": (time.time() - f["last_exchange"]) if f.get("last_exchange") else None,
+                        "heartbeat_age_s": now - float(f.get("time", now)),
+                        "version": f.get("version"),
+                        # pipeline mode: the stage this peer serves, its micro-batches/s, re-routes, losses
+                        **(
+                            {k: f.get(k) for k in ("stage", "mb_per_s", "rerouted", "lost")}
+                            if isinstance(f.get("stage"), int)
+                            else {}
+                        ),
+                    }
+                )
             return {"run": run_id, "spec_hash": spec["hash"], "protocol_version": spec["version"], "peers": peers}
         finally:
             await dht.shutdown()
@@ -59,25 +71,43 @@ def render(snap: dict[str, Any]) -> Table:
     top = max((p["round"] for p in snap.get("peers", [])), default=0)
     for p in snap.get("peers", []):
         stale = p["heartbeat_age_s"] > STALE_AFTER_S
-        t.add_row(p["peer"][-10:], str(p["round"]), str(p["step"]), _f(p["loss"]), _f(p["val_loss"]),
-                  _f(p["tokens_per_s"], "{:,.0f}"), _f((p["bytes_sent"] or 0) / 1e6, "{:.1f}"),
-                  _f(p["last_exchange_s_ago"], "{:.0f}s ago"),
-                  f"{top - p['round']} rounds" + (" (stale)" if stale else ""))
+        t.add_row(
+            p["peer"][-10:],
+            str(p["round"]),
+            str(p["step"]),
+            _f(p["loss"]),
+            _f(p["val_loss"]),
+            _f(p["tokens_per_s"], "{:,.0f}"),
+            _f((p["bytes_sent"] or 0) / 1e6, "{:.1f}"),
+            _f(p["last_exchange_s_ago"], "{:.0f}s ago"),
+            f"{top - p['round']} rounds" + (" (stale)" if stale else ""),
+        )
     return t
 
 
 def render_stages(snap: dict[str, Any]) -> Table:
     """Pipeline mode: each stage's replicas, their micro-batches per second and re-routes."""
-    peers = sorted((p for p in snap.get("peers", []) if isinstance(p.get("stage"), int) and p["stage"] >= 0),
-                   key=lambda p: (p["stage"], p["peer"]))
+    peers = sorted(
+        (p for p in snap.get("peers", []) if isinstance(p.get("stage"), int) and p["stage"] >= 0),
+        key=lambda p: (p["stage"], p["peer"]),
+    )
     stages = sorted({p["stage"] for p in peers})
     t = Table(title=f"run {snap.get('run', '?')}: {len(stages)} stages, {len(peers)} stage replicas")
     for col in ("stage", "replicas", "peer", "step", "loss", "mb/s", "re-routed", "lost", "staleness"):
         t.add_column(col, justify="right")
     for p in peers:
         n = sum(1 for q in peers if q["stage"] == p["stage"])
-        t.add_row(str(p["stage"]), str(n), p["peer"][-10:], str(p["step"]), _f(p["loss"]), _f(p.get("mb_per_s"), "{:.2f}"),
-                  str(p.get("rerouted") or 0), str(p.get("lost") or 0), f"{p['heartbeat_age_s']:.0f}s")
+        t.add_row(
+            str(p["stage"]),
+            str(n),
+            p["peer"][-10:],
+            str(p["step"]),
+            _f(p["loss"]),
+            _f(p.get("mb_per_s"), "{:.2f}"),
+            str(p.get("rerouted") or 0),
+            str(p.get("lost") or 0),
+            f"{p['heartbeat_age_s']:.0f}s",
+        )
     return t
 
 

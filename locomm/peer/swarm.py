@@ -44,8 +44,9 @@ class Heartbeat:
 
 
 async def publish_spec(dht: DHTNode, spec_hash: str, toml: str, ttl: float = 3600.0) -> None:
-    await dht.store(SPEC_KEY, {"hash": spec_hash, "toml": toml, "version": PROTOCOL_VERSION},
-                    expiration_time=get_dht_time() + ttl)
+    await dht.store(
+        SPEC_KEY, {"hash": spec_hash, "toml": toml, "version": PROTOCOL_VERSION}, expiration_time=get_dht_time() + ttl
+    )
 
 
 async def fetch_spec(dht: DHTNode) -> dict[str, Any] | None:
@@ -59,8 +60,9 @@ async def fetch_spec(dht: DHTNode) -> dict[str, Any] | None:
 
 
 async def store_heartbeat(dht: DHTNode, run_id: str, peer: str, record: dict[str, Any], ttl: float) -> bool:
-    return await dht.store(peers_key(run_id), subkey=peer, value={**record, "time": get_dht_time()},
-                           expiration_time=get_dht_time() + ttl)
+    return await dht.store(
+        peers_key(run_id), subkey=peer, value={**record, "time": get_dht_time()}, expiration_time=get_dht_time() + ttl
+    )
 
 
 async def read_heartbeats(dht: DHTNode, run_id: str) -> list[Heartbeat]:
@@ -75,8 +77,15 @@ async def read_heartbeats(dht: DHTNode, run_id: str) -> list[Heartbeat]:
         if not isinstance(peer, str) or not isinstance(value, dict) or expires < now:
             continue
         try:
-            out.append(Heartbeat(peer=peer, round=int(value.get("round", 0)), join_round=int(value.get("join_round", 0)),
-                                 fields=value, expires=expires))
+            out.append(
+                Heartbeat(
+                    peer=peer,
+                    round=int(value.get("round", 0)),
+                    join_round=int(value.get("join_round", 0)),
+                    fields=value,
+                    expires=expires,
+                )
+            )
         except (TypeError, ValueError):
             log.warning("ignoring malformed heartbeat from %s", peer)
     return sorted(out, key=lambda h: h.peer)
@@ -86,8 +95,9 @@ MEMBER_LAG_ROUNDS = 3
 """A peer whose last heartbeat is more than this many rounds behind round r is not a member of r."""
 
 
-def members_for_round(beats: list[Heartbeat], round_idx: int, me: str, fresh_s: float = 0.0,
-                      now: float | None = None) -> list[str]:
+def members_for_round(
+    beats: list[Heartbeat], round_idx: int, me: str, fresh_s: float = 0.0, now: float | None = None
+) -> list[str]:
     """The members of round r, from a snapshot every peer reads alike.
 
     A peer is a member of r when it was admitted by r (``join_round <= r``) and either its last published
@@ -98,8 +108,11 @@ def members_for_round(beats: list[Heartbeat], round_idx: int, me: str, fresh_s: 
     partner is skipped at exchange time instead.
     """
     now = get_dht_time() if now is None else now
-    members = {h.peer for h in beats if h.join_round <= round_idx and (
-        h.round >= round_idx - MEMBER_LAG_ROUNDS
-        or now - float(h.fields.get("time", 0.0) or 0.0) < fresh_s)}
+    members = {
+        h.peer
+        for h in beats
+        if h.join_round <= round_idx
+        and (h.round >= round_idx - MEMBER_LAG_ROUNDS or now - float(h.fields.get("time", 0.0) or 0.0) < fresh_s)
+    }
     members.add(me)
     return sorted(members)

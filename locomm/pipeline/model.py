@@ -69,14 +69,21 @@ class Geometry:
     """Blocks at the end of the last stage left unconstrained; -1: all of them."""
 
     @classmethod
-    def of(cls, spec: RunSpec, *, stages: int | None = None, subspace: bool | None = None) -> "Geometry":
+    def of(cls, spec: RunSpec, *, stages: int | None = None, subspace: bool | None = None) -> Geometry:
         p = spec.pipeline
         n = p.stages if stages is None else stages
         ranges = stage_layers(spec.model.n_layers, n, p.layers if stages is None else ())
         d = spec.model.d_model
-        return cls(stages=n, ranges=tuple(ranges), d=d, k=max(1, d // spec.compression.subspace_rate),
-                   vocab_size=spec.model.vocab_size, seed=spec.train.seed,
-                   subspace=p.subspace if subspace is None else subspace, free_tail=p.free_tail_layers)
+        return cls(
+            stages=n,
+            ranges=tuple(ranges),
+            d=d,
+            k=max(1, d // spec.compression.subspace_rate),
+            vocab_size=spec.model.vocab_size,
+            seed=spec.train.seed,
+            subspace=p.subspace if subspace is None else subspace,
+            free_tail=p.free_tail_layers,
+        )
 
     @property
     def U(self) -> torch.Tensor:  # (d, k)
@@ -182,8 +189,9 @@ class StageModule(nn.Module):
         w2 = [f"layers.{i}.mlp.w2" for i in self.layer_ids if i not in free]
         if not wo and not self.first:
             return []
-        return project_onto_subspace_(self, self.U, wo_pattern=wo or "-", w2_pattern=w2 or "-",
-                                      embed_name="embed" if self.first else None)
+        return project_onto_subspace_(
+            self, self.U, wo_pattern=wo or "-", w2_pattern=w2 or "-", embed_name="embed" if self.first else None
+        )
 
     def residual_norm(self, h: torch.Tensor, tokens: torch.Tensor) -> float:
         """Relative norm of h - E_f[tok] outside span(U): 0 while the invariant holds."""

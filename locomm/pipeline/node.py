@@ -50,8 +50,13 @@ from locomm.pipeline.router import route
 from locomm.pipeline.wire import BoundaryCoder, NonFinite
 from locomm.pipeline.worker import StageWorker
 from locomm.protocol import build_outer
-from locomm.protocol.messages import (STAGE_MESSAGES, ErrorCode, ProtocolViolation, activation_header,
-                                      validate_activation)
+from locomm.protocol.messages import (
+    STAGE_MESSAGES,
+    ErrorCode,
+    ProtocolViolation,
+    activation_header,
+    validate_activation,
+)
 
 log = logging.getLogger(__name__)
 SUSPECT_S = 30.0
@@ -62,8 +67,9 @@ class Lost(Exception):
     """A micro-batch no replica of the next stage could take."""
 
 
-def pick_stage(beats: list[Heartbeat], stages: int, me: str, fresh_s: float = math.inf,
-               now: float | None = None) -> int:
+def pick_stage(
+    beats: list[Heartbeat], stages: int, me: str, fresh_s: float = math.inf, now: float | None = None
+) -> int:
     """``--stage auto``: the stage with the fewest live replicas (a heartbeat younger than ``fresh_s``),
     ties to the lowest."""
     now = get_dht_time() if now is None else now
@@ -71,8 +77,7 @@ def pick_stage(beats: list[Heartbeat], stages: int, me: str, fresh_s: float = ma
     for b in beats:
         s = b.fields.get("stage")
         age = now - float(b.fields.get("time", now) or now)
-        if (b.peer != me and isinstance(s, int) and 0 <= s < stages and not b.fields.get("finished")
-                and age < fresh_s):
+        if b.peer != me and isinstance(s, int) and 0 <= s < stages and not b.fields.get("finished") and age < fresh_s:
             counts[s] += 1
     return min(range(stages), key=lambda s: (counts[s], s))
 
@@ -150,16 +155,28 @@ class PipelineNode(Node):
         clock = self.data_clock()
         now = time.time()
         recent = [t for t in self.mb_times if now - t < 30.0]
-        record = {"stage": self.stage, "round": clock // H, "clock": clock, "join_round": self.join_round,
-                  "step": step,
-                  "started": self.started, "finished": self.finished,
-                  "loss": _finite(self.last_loss), "val_loss": _finite(self.val_loss),
-                  "mb_per_s": len(recent) / 30.0 if recent else 0.0, "microbatches": self.microbatches,
-                  "rerouted": self.rerouted, "lost": self.lost, "tokens_per_s": self.tokens_per_s,
-                  "bytes_sent": self.gossip.stats.bytes_sent + self.boundary_bytes["fwd"] + self.boundary_bytes["bwd"]
-                  if hasattr(self, "gossip") else 0,
-                  "version": __version__, "maddrs": [str(m) for m in self.maddrs],
-                  "faults": self.faults.total if hasattr(self, "faults") else 0}
+        record = {
+            "stage": self.stage,
+            "round": clock // H,
+            "clock": clock,
+            "join_round": self.join_round,
+            "step": step,
+            "started": self.started,
+            "finished": self.finished,
+            "loss": _finite(self.last_loss),
+            "val_loss": _finite(self.val_loss),
+            "mb_per_s": len(recent) / 30.0 if recent else 0.0,
+            "microbatches": self.microbatches,
+            "rerouted": self.rerouted,
+            "lost": self.lost,
+            "tokens_per_s": self.tokens_per_s,
+            "bytes_sent": self.gossip.stats.bytes_sent + self.boundary_bytes["fwd"] + self.boundary_bytes["bwd"]
+            if hasattr(self, "gossip")
+            else 0,
+            "version": __version__,
+            "maddrs": [str(m) for m in self.maddrs],
+            "faults": self.faults.total if hasattr(self, "faults") else 0,
+        }
         await store_heartbeat(self.dht, self.run_id, self.me, record, self.spec.network.heartbeat_ttl_s)
 
     def data_clock(self) -> int:
@@ -181,10 +198,14 @@ class PipelineNode(Node):
 
     async def _on_forward(self, call: Call) -> None:
         spec = self.spec
-        f = validate_activation(call.msg, stage=self.stage, max_batch=spec.pipeline.micro_batch_size,
-                                max_seq=spec.data.seq_len, codec=self.coder.act_stack,
-                                max_act_bytes=self.coder.max_activation_bytes(spec.pipeline.micro_batch_size,
-                                                                                spec.data.seq_len))
+        f = validate_activation(
+            call.msg,
+            stage=self.stage,
+            max_batch=spec.pipeline.micro_batch_size,
+            max_seq=spec.data.seq_len,
+            codec=self.coder.act_stack,
+            max_act_bytes=self.coder.max_activation_bytes(spec.pipeline.micro_batch_size, spec.data.seq_len),
+        )
         if self.stage == 0:
             raise ProtocolViolation(ErrorCode.NOT_READY, "stage 0 takes no activations")
         tok_raw = await call.link.read_part(f.tokens_nbytes)
@@ -213,8 +234,9 @@ class PipelineNode(Node):
         await call.answer(ErrorCode.OK, loss=loss, nbytes=len(data))
         await call.link.write_part(data)
 
-    async def process(self, origin: str, mb: int, window: torch.Tensor, h: torch.Tensor | None, *,
-                      train: bool) -> tuple[float, torch.Tensor | None]:
+    async def process(
+        self, origin: str, mb: int, window: torch.Tensor, h: torch.Tensor | None, *, train: bool
+    ) -> tuple[float, torch.Tensor | None]:
         """This stage's part of a micro-batch and everything after it: (loss, dL/dh_in)."""
         x, y = window[:, :-1], window[:, 1:]
         w = self.worker
@@ -280,16 +302,25 @@ class PipelineNode(Node):
 
     # -- sending to the next stage ---------------------------------------------------------
 
-    async def send(self, origin: str, mb: int, window: torch.Tensor, h: torch.Tensor, *,
-                   train: bool) -> tuple[float, torch.Tensor | None]:
+    async def send(
+        self, origin: str, mb: int, window: torch.Tensor, h: torch.Tensor, *, train: bool
+    ) -> tuple[float, torch.Tensor | None]:
         """Hand a micro-batch to a random live replica of the next stage; re-route on failure."""
         nxt = self.stage + 1
         x = window[:, :-1]
         data = await self.rpc.decode(self.coder.encode_activation, h, x)
         tok = self.coder.encode_window(window)
-        header_args = dict(step=self.data_clock(), stage=nxt, origin=origin, mb=mb, batch=int(x.shape[0]),
-                           seq=int(x.shape[1]), codec=self.coder.act_stack, tokens_nbytes=len(tok),
-                           act_nbytes=len(data))
+        header_args = dict(
+            step=self.data_clock(),
+            stage=nxt,
+            origin=origin,
+            mb=mb,
+            batch=int(x.shape[0]),
+            seq=int(x.shape[1]),
+            codec=self.coder.act_stack,
+            tokens_nbytes=len(tok),
+            act_nbytes=len(data),
+        )
         tried: list[str] = []
         why = "no live replica"
         for attempt in range(1 + self.spec.pipeline.reroute_attempts):
@@ -316,14 +347,14 @@ class PipelineNode(Node):
                 raise
             except (Unreachable, TransferCut, ConnectionError, TimeoutError, ProtocolViolation, CodecError) as e:
                 why = f"{type(e).__name__}: {e}"
-                log.info("micro-batch %s/%d: hop to %s failed (%s); re-routing", origin[-6:], mb, str(peer)[-8:],
-                         why)
+                log.info("micro-batch %s/%d: hop to %s failed (%s); re-routing", origin[-6:], mb, str(peer)[-8:], why)
                 if not isinstance(e, ProtocolViolation) or e.code in (ErrorCode.TIMEOUT, ErrorCode.INTERNAL):
                     self.suspect[str(peer)] = time.monotonic() + SUSPECT_S
         raise Lost(why)
 
-    async def _hop(self, peer: str, header: dict[str, Any], tok: bytes, data: bytes, x: torch.Tensor,
-                   train: bool) -> tuple[float, torch.Tensor | None]:
+    async def _hop(
+        self, peer: str, header: dict[str, Any], tok: bytes, data: bytes, x: torch.Tensor, train: bool
+    ) -> tuple[float, torch.Tensor | None]:
         p = self.spec.pipeline
         assert self.p2p is not None
         async with asyncio.timeout(p.stage_timeout_s + self.limits.request_timeout_s):
@@ -386,7 +417,7 @@ class PipelineNode(Node):
             x, y = await self.compute(self.sampler.next)
             window = torch.cat([x, y[:, -1:]], dim=1)
             t0 = time.perf_counter()
-            parts = [window[i:i + mbs] for i in range(0, window.shape[0], mbs)]
+            parts = [window[i : i + mbs] for i in range(0, window.shape[0], mbs)]
             losses = await asyncio.gather(*(self._micro_batch(part, sem) for part in parts))
             done = [v for v in losses if v is not None]
             if self.worker.accumulated:
@@ -398,9 +429,15 @@ class PipelineNode(Node):
                 self.last_loss = sum(done) / len(done)
             dt = time.perf_counter() - t0
             self.tokens_per_s = len(done) * mbs * self.spec.data.seq_len / dt if dt > 0 else 0.0
-            self.events.write("step", step=self.worker.step, loss=_finite(self.last_loss), lost=self.lost,
-                              rerouted=self.rerouted, wall_s=time.perf_counter() - t_start,
-                              tokens_per_s=self.tokens_per_s)
+            self.events.write(
+                "step",
+                step=self.worker.step,
+                loss=_finite(self.last_loss),
+                lost=self.lost,
+                rerouted=self.rerouted,
+                wall_s=time.perf_counter() - t_start,
+                tokens_per_s=self.tokens_per_s,
+            )
             r = self._due_round()
             if r is not None:
                 await self._on_step(r)
@@ -412,7 +449,7 @@ class PipelineNode(Node):
         mbs = self.spec.pipeline.micro_batch_size
         for x, y in self._val:
             for i in range(0, x.shape[0], mbs):
-                window = torch.cat([x[i:i + mbs], y[i:i + mbs, -1:]], dim=1)
+                window = torch.cat([x[i : i + mbs], y[i : i + mbs, -1:]], dim=1)
                 h = await self.timed("eval", _eval_mid, self.worker, window[:, :-1], None)
                 mb = self._mb_seq
                 self._mb_seq += 1
@@ -430,16 +467,17 @@ class PipelineNode(Node):
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         """What a joiner of this stage downloads: the live weights (not only the last outer point) and the
         outer state."""
-        return {**{f"model/{k}": v for k, v in self.params().items()},
-                **{f"outer/{k}": v for k, v in self.algo.state_dict().items()}}
+        return {
+            **{f"model/{k}": v for k, v in self.params().items()},
+            **{f"outer/{k}": v for k, v in self.algo.state_dict().items()},
+        }
 
     async def _on_step(self, r: int) -> None:
         """Replica sync of round ``r`` (by the data clock): apply round r - 1's exchange, start round r's."""
         now = time.monotonic()
         self.round_s = now - self._last_round_t if self._last_round_t else 0.0
         self._last_round_t = now
-        self.state_server.snapshot = await self.compute(
-            lambda: Snapshot.take(r + 1, self._state_tensors()))
+        self.state_server.snapshot = await self.compute(lambda: Snapshot.take(r + 1, self._state_tensors()))
         await self._heartbeat()
         async with self._sync_lock:
             if self.pending_sync is not None:  # apply the previous round's exchange, one round late
@@ -450,8 +488,11 @@ class PipelineNode(Node):
             # so nobody waits out max_wait_s for its payload.
             fresh = 3 * self.spec.network.heartbeat_interval_s
             now = get_dht_time()
-            beats = [b for b in self.beats.values() if b.fields.get("stage") == self.stage
-                     and now - float(b.fields.get("time", 0.0) or 0.0) < fresh]
+            beats = [
+                b
+                for b in self.beats.values()
+                if b.fields.get("stage") == self.stage and now - float(b.fields.get("time", 0.0) or 0.0) < fresh
+            ]
             members = members_for_round(beats, r, self.me, fresh_s=self.spec.network.heartbeat_ttl_s)
             plan, sent = await self.compute(self._plan, r, members)
             self.members, self.partners = len(members), len(plan.peers)
@@ -459,8 +500,7 @@ class PipelineNode(Node):
             # stall timeout; one that is still arriving then is waited for, a dead one is not.
             wait = min(self.spec.network.max_wait_s, self.spec.network.stall_timeout_s + 2 * self.round_s)
             t_due = time.monotonic() + wait
-            task = asyncio.create_task(self.gossip.exchange(r, list(plan.peers), plan.payload,
-                                                            eta=lambda _p: t_due))
+            task = asyncio.create_task(self.gossip.exchange(r, list(plan.peers), plan.payload, eta=lambda _p: t_due))
             self.pending_sync = (r, sent, task, plan)  # type: ignore[assignment]
             self.round = r + 1
 
@@ -500,8 +540,9 @@ class PipelineNode(Node):
         self.algo = build_outer(spec.outer, self.params(), self.me)
         if self.stage == 0:
             splits = load_corpus(spec.data)
-            self.sampler = BatchSampler(splits.train, spec.data, seed=spec.train.seed, worker_id=shard[0],
-                                        num_workers=shard[1])
+            self.sampler = BatchSampler(
+                splits.train, spec.data, seed=spec.train.seed, worker_id=shard[0], num_workers=shard[1]
+            )
             self._val = eval_batches(splits.val, spec.data, spec.train.eval_batches)
         # Warm the codecs up here (numba compiles on first use), not inside a hop's deadline.
         h = torch.zeros(1, 2, self.geo.d)
@@ -512,15 +553,27 @@ class PipelineNode(Node):
     async def _join_stage(self) -> None:
         """A joiner of a stage that has trained: download the stage's weights and outer state from its replicas."""
         assert self.p2p is not None
-        beats = [b for b in await self._read_beats() if b.peer != self.me and b.fields.get("stage") == self.stage
-                 and not b.fields.get("finished")]
-        donors = [b.peer for b in sorted(beats, key=lambda b: -int(b.fields.get("step", 0) or 0))[:3]
-                  if int(b.fields.get("step", 0) or 0) > 0]
+        beats = [
+            b
+            for b in await self._read_beats()
+            if b.peer != self.me and b.fields.get("stage") == self.stage and not b.fields.get("finished")
+        ]
+        donors = [
+            b.peer
+            for b in sorted(beats, key=lambda b: -int(b.fields.get("step", 0) or 0))[:3]
+            if int(b.fields.get("step", 0) or 0) > 0
+        ]
         if not donors:
             return
-        got = await fetch_state(self.p2p, run_id=self.run_id, me=self.me, donors=donors, limits=self.limits,
-                                max_bytes=int(self.spec.network.max_message_mb * 2**20) * 4,
-                                on_fault=self.faults.record)
+        got = await fetch_state(
+            self.p2p,
+            run_id=self.run_id,
+            me=self.me,
+            donors=donors,
+            limits=self.limits,
+            max_bytes=int(self.spec.network.max_message_mb * 2**20) * 4,
+            on_fault=self.faults.record,
+        )
         if got is None:
             log.warning("could not download stage %d's state; starting from the initial weights", self.stage)
             self.events.write("sync_failed", donors=len(donors))
@@ -550,10 +603,10 @@ class PipelineNode(Node):
                 return
 
     async def run(self) -> dict[str, Any]:
+        import signal  # noqa: PLC0415
+
         from locomm.peer.metrics import Metrics  # noqa: PLC0415
         from locomm.peer.swarm import read_heartbeats  # noqa: PLC0415
-
-        import signal  # noqa: PLC0415
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -575,8 +628,9 @@ class PipelineNode(Node):
             beats = await read_heartbeats(self.dht, self.run_id)
             if self.stage_arg == "auto":
                 # A replica that died a moment ago still has a record: count only fresh heartbeats.
-                self.stage = pick_stage(beats, spec.pipeline.stages, self.me,
-                                        fresh_s=3 * spec.network.heartbeat_interval_s)
+                self.stage = pick_stage(
+                    beats, spec.pipeline.stages, self.me, fresh_s=3 * spec.network.heartbeat_interval_s
+                )
             else:
                 self.stage = int(self.stage_arg)
                 if not 0 <= self.stage < spec.pipeline.stages:
@@ -585,10 +639,13 @@ class PipelineNode(Node):
             self.steps_target = spec.train.steps
             shard = self.opts.shard or (int(self.me.encode().hex()[-8:], 16) % 64, 64)
             await self.compute(self._build_stage, shard)
-            self.metrics = Metrics(self.opts.metrics_port, self.me,
-                                   host=self.opts.metrics_host)
-            self.codec = PayloadCodec({k: tuple(v.shape) for k, v in self.params().items()}, self.algo.payload_roles,
-                                      spec.compression, encoded=self.algo.payload_encoded)
+            self.metrics = Metrics(self.opts.metrics_port, self.me, host=self.opts.metrics_host)
+            self.codec = PayloadCodec(
+                {k: tuple(v.shape) for k, v in self.params().items()},
+                self.algo.payload_roles,
+                spec.compression,
+                encoded=self.algo.payload_encoded,
+            )
             self._make_services()
             await self.compute(self.codec.warm_up)
             await self.rpc.add(self.service())
@@ -597,13 +654,19 @@ class PipelineNode(Node):
             await self._heartbeat()
             if self.opts.initial_peers:
                 await self._join_stage()
-            self.state_server.snapshot = await self.compute(
-                lambda: Snapshot.take(self.round, self._state_tensors()))
+            self.state_server.snapshot = await self.compute(lambda: Snapshot.take(self.round, self._state_tensors()))
             hb_task = asyncio.create_task(self._heartbeat_loop())
             if self.opts.announce_file:
                 self.opts.announce_file.write_text("\n".join(str(m) for m in self.maddrs) + "\n")
-            self.events.write("started", peer=self.me, maddrs=[str(m) for m in self.maddrs], stage=self.stage,
-                              run=self.run_id, algo=spec.outer.algo, first_heartbeat_s=time.perf_counter() - t_launch)
+            self.events.write(
+                "started",
+                peer=self.me,
+                maddrs=[str(m) for m in self.maddrs],
+                stage=self.stage,
+                run=self.run_id,
+                algo=spec.outer.algo,
+                first_heartbeat_s=time.perf_counter() - t_launch,
+            )
             log.info("peer %s serves stage %d of %d", self.me, self.stage, spec.pipeline.stages)
             if self.opts.wait_for_peers > 1:
                 await self._wait_for_stages(self.opts.wait_for_peers)
@@ -632,8 +695,11 @@ class PipelineNode(Node):
             if self.opts.final_weights and not self.stop.is_set():
                 from safetensors.torch import save_file  # noqa: PLC0415
 
-                await self.compute(save_file, {k: v.detach().contiguous() for k, v in self.params().items()},
-                                   str(self.opts.final_weights))
+                await self.compute(
+                    save_file,
+                    {k: v.detach().contiguous() for k, v in self.params().items()},
+                    str(self.opts.final_weights),
+                )
             self.summary = self._summary(initial, final)
             self.events.write("finished", **self.summary)
             return self.summary
@@ -654,8 +720,11 @@ class PipelineNode(Node):
         deadline = time.monotonic() + timeout
         while not self.stop.is_set() and time.monotonic() < deadline:
             await self._read_beats()
-            staged = [b for b in self.beats.values() if isinstance(b.fields.get("stage"), int)
-                      and b.fields.get("stage", -1) >= 0]
+            staged = [
+                b
+                for b in self.beats.values()
+                if isinstance(b.fields.get("stage"), int) and b.fields.get("stage", -1) >= 0
+            ]
             stages = {b.fields["stage"] for b in staged}
             if len(staged) >= n and stages >= set(range(self.spec.pipeline.stages)):
                 return
@@ -669,15 +738,30 @@ class PipelineNode(Node):
         busy = sum(b - a for a, b, k in log_ if k != "eval")
         tokens = self.boundary_bytes
         tok_count = self.microbatches * self.spec.pipeline.micro_batch_size * self.spec.data.seq_len
-        return {"peer": self.me, "stage": self.stage, "initial_loss": initial, "final_loss": final,
-                "steps": self.worker.step, "microbatches": self.microbatches, "microbatches_lost": self.lost,
-                "microbatches_rerouted": self.rerouted, "bytes_fwd": tokens["fwd"], "bytes_tokens": tokens["tokens"],
-                "bytes_bwd": tokens["bwd"], "tokens_served": tok_count, "tokens_forwarded": self.tokens_forwarded,
-                "compute_intervals": [(round(a, 4), round(b, 4), k) for a, b, k in log_ if k != "eval"],
-                "busy_s": busy, "span_s": t_end - t0, "last_loss": _finite(self.last_loss),
-                "faults": self.faults.total, "errors_answered": dict(self.rpc.stats.errors_answered),
-                "exchanges_ok": self.gossip.stats.exchanges_ok, "exchanges_failed": self.gossip.stats.exchanges_failed,
-                "interrupted": self.stop.is_set() and not self.finished}
+        return {
+            "peer": self.me,
+            "stage": self.stage,
+            "initial_loss": initial,
+            "final_loss": final,
+            "steps": self.worker.step,
+            "microbatches": self.microbatches,
+            "microbatches_lost": self.lost,
+            "microbatches_rerouted": self.rerouted,
+            "bytes_fwd": tokens["fwd"],
+            "bytes_tokens": tokens["tokens"],
+            "bytes_bwd": tokens["bwd"],
+            "tokens_served": tok_count,
+            "tokens_forwarded": self.tokens_forwarded,
+            "compute_intervals": [(round(a, 4), round(b, 4), k) for a, b, k in log_ if k != "eval"],
+            "busy_s": busy,
+            "span_s": t_end - t0,
+            "last_loss": _finite(self.last_loss),
+            "faults": self.faults.total,
+            "errors_answered": dict(self.rpc.stats.errors_answered),
+            "exchanges_ok": self.gossip.stats.exchanges_ok,
+            "exchanges_failed": self.gossip.stats.exchanges_failed,
+            "interrupted": self.stop.is_set() and not self.finished,
+        }
 
 
 @torch.no_grad()

@@ -14,9 +14,17 @@ import random
 from collections.abc import Mapping, Sequence
 
 
-def route(seed: int, origin: str | int, mb: int, stage: int, replicas: Sequence[str | int], *,
-          attempt: int = 0, exclude: Sequence[str | int] = (),
-          weights: Mapping[str | int, float] | None = None) -> str | int | None:
+def route(
+    seed: int,
+    origin: str | int,
+    mb: int,
+    stage: int,
+    replicas: Sequence[str | int],
+    *,
+    attempt: int = 0,
+    exclude: Sequence[str | int] = (),
+    weights: Mapping[str | int, float] | None = None,
+) -> str | int | None:
     """The replica of ``stage`` that micro-batch ``mb`` from ``origin`` goes to (None: no candidate left)."""
     candidates = sorted((r for r in replicas if r not in set(exclude)), key=str)
     if not candidates:

@@ -19,8 +19,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -37,12 +38,20 @@ def stage_rows(folder: Path, n: int, replicas: int) -> list[dict[str, Any]]:
         started = next((e for e in ev if e["event"] == "started"), {})
         finished = next((e for e in ev if e["event"] == "finished"), None)
         last = next((e for e in reversed(ev) if e["event"] == "step"), {})
-        rows.append({"peer": i, "stage": started.get("stage", i // replicas), "id": started.get("peer", "")[-8:],
-                     "state": "done" if finished else ("serving" if started else "starting"),
-                     "step": (finished or last).get("step", 0), "loss": last.get("loss"),
-                     "lost": (finished or last).get("microbatches_lost", last.get("lost", 0)),
-                     "rerouted": (finished or last).get("microbatches_rerouted", last.get("rerouted", 0)),
-                     "finished": finished, "events": ev})
+        rows.append(
+            {
+                "peer": i,
+                "stage": started.get("stage", i // replicas),
+                "id": started.get("peer", "")[-8:],
+                "state": "done" if finished else ("serving" if started else "starting"),
+                "step": (finished or last).get("step", 0),
+                "loss": last.get("loss"),
+                "lost": (finished or last).get("microbatches_lost", last.get("lost", 0)),
+                "rerouted": (finished or last).get("microbatches_rerouted", last.get("rerouted", 0)),
+                "finished": finished,
+                "events": ev,
+            }
+        )
     return rows
 
 
@@ -51,9 +60,16 @@ def table(rows: list[dict[str, Any]], stages: int, steps: int) -> Table:
     for col in ("stage", "peer", "id", "state", "step", "loss", "lost", "re-routed"):
         t.add_column(col, justify="right")
     for r in sorted(rows, key=lambda r: (r["stage"], r["peer"])):
-        t.add_row(str(r["stage"]), str(r["peer"]), r["id"], r["state"], f"{r['step']}/{steps}",
-                  f"{r['loss']:.3f}" if isinstance(r["loss"], (int, float)) else "-", str(r["lost"]),
-                  str(r["rerouted"]))
+        t.add_row(
+            str(r["stage"]),
+            str(r["peer"]),
+            r["id"],
+            r["state"],
+            f"{r['step']}/{steps}",
+            f"{r['loss']:.3f}" if isinstance(r["loss"], (int, float)) else "-",
+            str(r["lost"]),
+            str(r["rerouted"]),
+        )
     return t
 
 
@@ -75,15 +91,27 @@ def timeline_stats(finals: list[dict[str, Any]], stages: int) -> dict[str, Any]:
             if b > a:
                 busy += b - a
                 intervals.append((a, b, f["stage"]))
-    return {"bubble_fraction": 1.0 - busy / (len(finals) * span), "train_span_s": span,
-            "stage_overlap_share": {str(s): v for s, v in overlap_by_stage(intervals, stages).items()}}
+    return {
+        "bubble_fraction": 1.0 - busy / (len(finals) * span),
+        "train_span_s": span,
+        "stage_overlap_share": {str(s): v for s, v in overlap_by_stage(intervals, stages).items()},
+    }
 
 
-def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool, keep: Path | None = None,
-                       kill_at_step: int | None = None, join_auto_at_step: int | None = None,
-                       bootstrap_file: Path | None = None, peer_args: tuple[str, ...] = (),
-                       spawn: Callable[..., subprocess.Popen] | None = None,
-                       host_maddr: Callable[[int], str] | None = None) -> dict[str, Any]:
+def run_pipeline_swarm(
+    spec: RunSpec,
+    *,
+    stages: int,
+    replicas: int,
+    quiet: bool,
+    keep: Path | None = None,
+    kill_at_step: int | None = None,
+    join_auto_at_step: int | None = None,
+    bootstrap_file: Path | None = None,
+    peer_args: tuple[str, ...] = (),
+    spawn: Callable[..., subprocess.Popen] | None = None,
+    host_maddr: Callable[[int], str] | None = None,
+) -> dict[str, Any]:
     """Run S x R peers to the end of ``spec.train.steps``; optionally kill one stage-1 replica at a step
     and start a ``--stage auto`` joiner at another (resilience). ``bootstrap_file`` receives the first
     peer's multiaddr once it is up (for a test or a `status` call beside the run).
@@ -103,9 +131,24 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
     killed: list[int] = []
 
     def launch(i: int, stage: str, initial: str | None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(spec_path), "--stage", stage,
-               "--log-file", str(folder / f"peer{i}.jsonl"), "--shard", f"{i % replicas}/{replicas}",
-               "--wait-for-peers", str(n), "-q", *peer_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "locomm.cli.main",
+            "join",
+            "--config",
+            str(spec_path),
+            "--stage",
+            stage,
+            "--log-file",
+            str(folder / f"peer{i}.jsonl"),
+            "--shard",
+            f"{i % replicas}/{replicas}",
+            "--wait-for-peers",
+            str(n),
+            "-q",
+            *peer_args,
+        ]
         if host_maddr is not None:
             cmd += ["--host-maddrs", host_maddr(i)]
         cmd += ["--announce-file", str(folder / f"peer{i}.addr")] + (["--initial-peers", initial] if initial else [])
@@ -120,8 +163,11 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
 
     stop_requested = threading.Event()
     main = threading.current_thread() is threading.main_thread()  # a test may run the launcher in a thread
-    old = {sig: signal.signal(sig, lambda *_: stop_requested.set())
-           for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    old = (
+        {sig: signal.signal(sig, lambda *_: stop_requested.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if main
+        else {}
+    )
     interrupted = False
     try:
         procs.append(launch(0, "0", None))
@@ -139,8 +185,13 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
                 break
             procs.append(launch(i, str(i // replicas), bootstrap))
         joiner_started = False
-        with (Live(table(stage_rows(folder, n, replicas), stages, spec.train.steps), console=console,
-                   refresh_per_second=2) if not quiet else _NoLive()) as live:
+        with (
+            Live(
+                table(stage_rows(folder, n, replicas), stages, spec.train.steps), console=console, refresh_per_second=2
+            )
+            if not quiet
+            else _NoLive()
+        ) as live:
             while any(p.poll() is None for p in procs[:replicas]) and not stop_requested.is_set():
                 rows = stage_rows(folder, len(procs), replicas)
                 step0 = min((r["step"] for r in rows if r["stage"] == 0), default=0)
@@ -154,16 +205,20 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
                     # Through a survivor other than peer 0: p2pd on loopback refuses a dial to a peer that
                     # already holds many connections from this address ("failed to connect to bootstrap peers").
                     others = [folder / f"peer{i}.addr" for i in range(1, n) if i not in killed]
-                    via = next((f.read_text().split()[0] for f in others if f.exists() and f.read_text().strip()),
-                               bootstrap)
+                    via = next(
+                        (f.read_text().split()[0] for f in others if f.exists() and f.read_text().strip()), bootstrap
+                    )
                     procs.append(launch(len(procs), "auto", via))
                     joiner_started = True
                 live.update(table(rows, stages, spec.train.steps))
                 stop_requested.wait(0.5)
             # Stage 0 is done: the servers stop by themselves once they see it; give them a moment.
             deadline = time.monotonic() + 30
-            while any(p.poll() is None for i, p in enumerate(procs) if i not in killed) and \
-                    time.monotonic() < deadline and not stop_requested.is_set():
+            while (
+                any(p.poll() is None for i, p in enumerate(procs) if i not in killed)
+                and time.monotonic() < deadline
+                and not stop_requested.is_set()
+            ):
                 stop_requested.wait(0.3)
             live.update(table(stage_rows(folder, len(procs), replicas), stages, spec.train.steps))
         interrupted = stop_requested.is_set()
@@ -176,18 +231,22 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
     try:
         rows = stage_rows(folder, len(procs), replicas)
         finals = [r["finished"] for r in rows if r["finished"]]
-        failed = [i for i, p in enumerate(procs) if p.returncode not in (0, None) and i not in killed
-                  and not interrupted]
+        failed = [
+            i for i, p in enumerate(procs) if p.returncode not in (0, None) and i not in killed and not interrupted
+        ]
         for i in failed:
-            console.print(f"[red]peer {i} exited with {procs[i].returncode}:[/]\n"
-                          + (folder / f"peer{i}.err").read_text()[-1500:])
+            console.print(
+                f"[red]peer {i} exited with {procs[i].returncode}:[/]\n" + (folder / f"peer{i}.err").read_text()[-1500:]
+            )
         drivers = [f for f in finals if f["stage"] == 0]
         wire = sum(f["bytes_fwd"] + f["bytes_tokens"] + f["bytes_bwd"] for f in finals)
         crossed = sum(f["tokens_forwarded"] for f in finals)
         stats = timeline_stats(finals, stages)
         trained = sum(f["steps"] for f in drivers) * spec.data.batch_size * spec.data.seq_len
         summary = {
-            "stages": stages, "replicas": replicas, "peers": len(procs),
+            "stages": stages,
+            "replicas": replicas,
+            "peers": len(procs),
             "initial_loss": _mean([f["initial_loss"] for f in drivers]),
             "final_loss": _mean([f["final_loss"] for f in drivers]),
             "steps": min((f["steps"] for f in drivers), default=0),
@@ -195,16 +254,26 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
             "microbatches_rerouted": sum(f["microbatches_rerouted"] for f in finals),
             "bytes_per_token_per_boundary": wire / crossed if crossed else float("nan"),
             "stage_of_peer": [r["stage"] for r in rows],
-            "killed_peers": killed, "failed_peers": failed, "interrupted": interrupted,
+            "killed_peers": killed,
+            "failed_peers": failed,
+            "interrupted": interrupted,
             "joiner_stage": next((e.get("stage") for e in rows[-1]["events"] if e["event"] == "started"), None)
-            if len(rows) > n else None,
+            if len(rows) > n
+            else None,
             "joiner_synced": any(e["event"] == "synced" for e in rows[-1]["events"]) if len(rows) > n else None,
             "joiner_microbatches": (rows[-1]["finished"] or {}).get("microbatches") if len(rows) > n else None,
             "faults": sum(f["faults"] for f in finals),
-            "replica_syncs": {str(st): {k: sum(f.get(f"exchanges_{k}", 0) for f in finals if f["stage"] == st)
-                                        for k in ("ok", "failed")} for st in range(stages)},
-            "joiner_syncs": ({k: (rows[-1]["finished"] or {}).get(f"exchanges_{k}") for k in ("ok", "failed")}
-                             if len(rows) > n else None),
+            "replica_syncs": {
+                str(st): {
+                    k: sum(f.get(f"exchanges_{k}", 0) for f in finals if f["stage"] == st) for k in ("ok", "failed")
+                }
+                for st in range(stages)
+            },
+            "joiner_syncs": (
+                {k: (rows[-1]["finished"] or {}).get(f"exchanges_{k}") for k in ("ok", "failed")}
+                if len(rows) > n
+                else None
+            ),
             "wall_s": time.perf_counter() - t0,
             "tokens_trained": trained,
             "tokens_per_s": trained / stats["train_span_s"] if stats.get("train_span_s") else None,
@@ -213,10 +282,12 @@ def run_pipeline_swarm(spec: RunSpec, *, stages: int, replicas: int, quiet: bool
         if keep is not None:
             shutil.copytree(folder, keep, dirs_exist_ok=True)
         if not quiet:
-            console.print(f"pipeline {stages}x{replicas}: loss {summary['initial_loss']:.3f} -> "
-                          f"{summary['final_loss']:.3f} in {summary['steps']} steps, "
-                          f"{summary['microbatches_lost']} lost, {summary['microbatches_rerouted']} re-routed, "
-                          f"{summary['bytes_per_token_per_boundary']:.1f} B/token/boundary")
+            console.print(
+                f"pipeline {stages}x{replicas}: loss {summary['initial_loss']:.3f} -> "
+                f"{summary['final_loss']:.3f} in {summary['steps']} steps, "
+                f"{summary['microbatches_lost']} lost, {summary['microbatches_rerouted']} re-routed, "
+                f"{summary['bytes_per_token_per_boundary']:.1f} B/token/boundary"
+            )
         return summary
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -55,8 +55,18 @@ class BoundaryCoder:
         if "subspace" not in stack.split("+"):
             return get_codec(stack)
         g = self.geo
-        return get_codec(stack, subspace=dict(d=g.d, k=g.k, vocab_size=g.vocab_size, seed=g.seed,
-                                              fixed_std=FIXED_EMBED_STD, kind=kind, include_tokens=False))
+        return get_codec(
+            stack,
+            subspace=dict(
+                d=g.d,
+                k=g.k,
+                vocab_size=g.vocab_size,
+                seed=g.seed,
+                fixed_std=FIXED_EMBED_STD,
+                kind=kind,
+                include_tokens=False,
+            ),
+        )
 
     # -- token windows -------------------------------------------------------------------
 
@@ -88,8 +98,9 @@ class BoundaryCoder:
     def decode_gradient(self, data: bytes | bytearray | memoryview, tokens: torch.Tensor) -> torch.Tensor:
         return self._decode(self.grad, data, tokens, "gradient")
 
-    def _decode(self, codec: Codec, data: bytes | bytearray | memoryview, tokens: torch.Tensor,
-                what: str) -> torch.Tensor:
+    def _decode(
+        self, codec: Codec, data: bytes | bytearray | memoryview, tokens: torch.Tensor, what: str
+    ) -> torch.Tensor:
         """Decode and check against the micro-batch: CodecError for anything a peer could have sent wrong."""
         try:
             x = codec.decode(data, tokens=tokens)

@@ -27,8 +27,15 @@ from locomm.pipeline.model import Geometry, StageModule, build_stage
 class StageWorker:
     """The model slice, inner optimizer and in-flight micro-batches of one stage replica."""
 
-    def __init__(self, spec: RunSpec, stage: int, *, geo: Geometry | None = None,
-                 module: StageModule | None = None, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        stage: int,
+        *,
+        geo: Geometry | None = None,
+        module: StageModule | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
         self.spec = spec
         self.geo = geo or Geometry.of(spec)
         self.device = torch.device(device)
@@ -83,8 +90,9 @@ class StageWorker:
         self.micro_done += 1
         return None if leaf is None else leaf.grad.detach()
 
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor,
-                         h_in: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
+    def forward_backward(
+        self, tokens: torch.Tensor, targets: torch.Tensor, h_in: torch.Tensor | None = None
+    ) -> tuple[float, torch.Tensor | None]:
         """The last stage: loss and dL/dh_in of one micro-batch in one go (nothing stays in flight)."""
         assert self.last
         self.module.train()

@@ -14,17 +14,27 @@ from locomm.protocol.gasloc import GASLoC
 from locomm.protocol.noloco import NoLoCo
 from locomm.protocol.sparseloco import SparseLoCo
 
-ALGORITHMS: dict[str, type[OuterAlgorithm]] = {
-    cls.name: cls for cls in (DiLoCo, NoLoCo, GASLoC, SparseLoCo)
-}
+ALGORITHMS: dict[str, type[OuterAlgorithm]] = {cls.name: cls for cls in (DiLoCo, NoLoCo, GASLoC, SparseLoCo)}
 
-__all__ = ["ALGORITHMS", "DDP", "DiLoCo", "Exchange", "GASLoC", "NoLoCo", "OuterAlgorithm", "Params", "Payload",
-           "SparseLoCo", "build_outer"]
+__all__ = [
+    "ALGORITHMS",
+    "DDP",
+    "DiLoCo",
+    "Exchange",
+    "GASLoC",
+    "NoLoCo",
+    "OuterAlgorithm",
+    "Params",
+    "Payload",
+    "SparseLoCo",
+    "build_outer",
+]
 
 
 def build_outer(cfg: OuterConfig, params: Params, me: int) -> OuterAlgorithm:
     """The outer algorithm a config names, for worker ``me`` starting from ``params``."""
     if cfg.algo not in ALGORITHMS:
-        raise ValueError(f"outer.algo={cfg.algo!r} is not a round-based outer algorithm "
-                         f"(choose from {', '.join(ALGORITHMS)})")
+        raise ValueError(
+            f"outer.algo={cfg.algo!r} is not a round-based outer algorithm (choose from {', '.join(ALGORITHMS)})"
+        )
     return ALGORITHMS[cfg.algo](cfg, params, me)

@@ -23,9 +23,12 @@ class DDP:
         self.me = me
 
     def plan(self, members: Sequence[int], grads: Mapping[str, torch.Tensor]) -> Exchange:
-        return Exchange(peers=[m for m in members if m != self.me],
-                        payload={f"grad/{k}": g.float() for k, g in grads.items()}, collective=True,
-                        roles={"grad": "outer_gradient"})
+        return Exchange(
+            peers=[m for m in members if m != self.me],
+            payload={f"grad/{k}": g.float() for k, g in grads.items()},
+            collective=True,
+            roles={"grad": "outer_gradient"},
+        )
 
     def apply(self, grads: Mapping[str, torch.Tensor], received: Mapping[int, Payload]) -> None:
         got = list(received.values())

@@ -29,8 +29,12 @@ class DiLoCo(OuterAlgorithm):
 
     def plan(self, round_idx: int, members: Sequence[int], params: Params) -> Exchange:
         delta = {f"delta/{k}": self.phi[k] - p.detach().float() for k, p in params.items()}
-        return Exchange(peers=[m for m in members if m != self.me], payload=delta, collective=True,
-                        roles={"delta": "outer_gradient"})
+        return Exchange(
+            peers=[m for m in members if m != self.me],
+            payload=delta,
+            collective=True,
+            roles={"delta": "outer_gradient"},
+        )
 
     def apply(self, round_idx: int, params: Params, received: Mapping[int, Payload]) -> None:
         got = list(received.values())

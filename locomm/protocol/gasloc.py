@@ -41,8 +41,9 @@ class GASLoC(OuterAlgorithm):
         self._active = False
 
     def plan(self, round_idx: int, members: Sequence[int], params: Params) -> Exchange:
-        graph = gasloc_graph(round_idx, members, self.cfg.topology, k=self.cfg.k_peers,
-                             p=self.cfg.participation, seed=self.cfg.seed)
+        graph = gasloc_graph(
+            round_idx, members, self.cfg.topology, k=self.cfg.k_peers, p=self.cfg.participation, seed=self.cfg.seed
+        )
         self._active = self.me in graph
         self._degrees = {m: len(n) for m, n in graph.items()}
         eta = self.cfg.lr

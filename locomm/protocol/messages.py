@@ -55,9 +55,18 @@ class ErrorCode(enum.IntEnum):
     """The sender is not allowed to use this service (not an admitted member, say): not a fault."""
 
 
-FAULT_CODES = frozenset({ErrorCode.BAD_VERSION, ErrorCode.WRONG_RUN, ErrorCode.MALFORMED, ErrorCode.TOO_LARGE,
-                         ErrorCode.UNEXPECTED_TENSOR, ErrorCode.BAD_SHAPE, ErrorCode.BAD_PAYLOAD,
-                         ErrorCode.NOT_FINITE})
+FAULT_CODES = frozenset(
+    {
+        ErrorCode.BAD_VERSION,
+        ErrorCode.WRONG_RUN,
+        ErrorCode.MALFORMED,
+        ErrorCode.TOO_LARGE,
+        ErrorCode.UNEXPECTED_TENSOR,
+        ErrorCode.BAD_SHAPE,
+        ErrorCode.BAD_PAYLOAD,
+        ErrorCode.NOT_FINITE,
+    }
+)
 """Violations that count against the sender; slowness, refusals and our own errors never do."""
 
 
@@ -116,15 +125,24 @@ def read_header_length(prefix: bytes) -> int:
         raise ProtocolViolation(ErrorCode.MALFORMED, "truncated frame length")
     n = HEADER_LEN.unpack(prefix)[0]
     if n == 0 or n > MAX_HEADER_BYTES:
-        raise ProtocolViolation(ErrorCode.TOO_LARGE if n else ErrorCode.MALFORMED,
-                                f"header length {n} outside (0, {MAX_HEADER_BYTES}]")
+        raise ProtocolViolation(
+            ErrorCode.TOO_LARGE if n else ErrorCode.MALFORMED, f"header length {n} outside (0, {MAX_HEADER_BYTES}]"
+        )
     return n
 
 
 def decode_header(raw: bytes) -> dict[str, Any]:
     try:
-        h = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
-                            max_array_len=100_000, max_map_len=100_000, max_str_len=MAX_HEADER_BYTES)
+        h = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=100_000,
+            max_map_len=100_000,
+            max_str_len=MAX_HEADER_BYTES,
+        )
     except Exception as e:  # msgpack raises several types on garbage; all mean the same to us
         raise ProtocolViolation(ErrorCode.MALFORMED, f"header is not valid msgpack: {type(e).__name__}") from None
     if not isinstance(h, dict):
@@ -139,8 +157,14 @@ def _field(h: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> An
     return v
 
 
-def validate_header(h: Mapping[str, Any], *, run_id: str, expected: Mapping[str, TensorSpec] | None,
-                    max_body_bytes: int, types: tuple[str, ...]) -> Message:
+def validate_header(
+    h: Mapping[str, Any],
+    *,
+    run_id: str,
+    expected: Mapping[str, TensorSpec] | None,
+    max_body_bytes: int,
+    types: tuple[str, ...],
+) -> Message:
     """Check a request header against the run; raises ProtocolViolation with the code to answer."""
     if h.get("v") != PROTOCOL_VERSION:
         raise ProtocolViolation(ErrorCode.BAD_VERSION, f"protocol version {h.get('v')!r}, expected {PROTOCOL_VERSION}")
@@ -200,6 +224,7 @@ def check_response(h: Mapping[str, Any]) -> ErrorCode:
 
 # ---------------------------------------------------------------- request builders and validators
 
+
 def envelope(run_id: str, mtype: str, round_idx: int, sender: str, **fields: Any) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "run": run_id, "type": mtype, "round": round_idx, "sender": sender, **fields}
 
@@ -219,10 +244,14 @@ class Transfer:
         return sum(codec.max_part_bytes(p) + PART_LEN.size for p in self.parts)
 
 
-def transfer_fields(xfer: int, stream: int, streams: int, enc: Mapping[str, int],
-                    parts: list[Part]) -> dict[str, Any]:
-    return {"xfer": xfer, "stream": stream, "streams": streams, "enc": dict(enc),
-            "parts": [[p.tensor, p.start, p.count] for p in parts]}
+def transfer_fields(xfer: int, stream: int, streams: int, enc: Mapping[str, int], parts: list[Part]) -> dict[str, Any]:
+    return {
+        "xfer": xfer,
+        "stream": stream,
+        "streams": streams,
+        "enc": dict(enc),
+        "parts": [[p.tensor, p.start, p.count] for p in parts],
+    }
 
 
 def validate_transfer(fields: Mapping[str, Any], codec: PayloadCodec, max_body_bytes: int) -> Transfer:
@@ -243,8 +272,11 @@ def validate_transfer(fields: Mapping[str, Any], codec: PayloadCodec, max_body_b
     canonical = set(codec.parts(enc))
     parts: list[Part] = []
     for item in raw:
-        if (not isinstance(item, list) or len(item) != 3
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
+        if (
+            not isinstance(item, list)
+            or len(item) != 3
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
+        ):
             raise ProtocolViolation(ErrorCode.MALFORMED, "a part is not [tensor, start, count]")
         part = Part(*item)
         if part not in canonical or part.count > MAX_PART_ELEMS * 4:
@@ -254,13 +286,22 @@ def validate_transfer(fields: Mapping[str, Any], codec: PayloadCodec, max_body_b
         raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "a part is listed twice")
     t = Transfer(xfer, stream, streams, {k: int(v) for k, v in enc.items()}, tuple(parts))
     if t.max_bytes(codec) > max_body_bytes:
-        raise ProtocolViolation(ErrorCode.TOO_LARGE, f"transfer of up to {t.max_bytes(codec)} bytes exceeds "
-                                f"the limit {max_body_bytes}")
+        raise ProtocolViolation(
+            ErrorCode.TOO_LARGE, f"transfer of up to {t.max_bytes(codec)} bytes exceeds the limit {max_body_bytes}"
+        )
     return t
 
 
-def push_header(run_id: str, round_idx: int, sender: str, xfer: int, stream: int, streams: int,
-                enc: Mapping[str, int], parts: list[Part]) -> dict[str, Any]:
+def push_header(
+    run_id: str,
+    round_idx: int,
+    sender: str,
+    xfer: int,
+    stream: int,
+    streams: int,
+    enc: Mapping[str, int],
+    parts: list[Part],
+) -> dict[str, Any]:
     return envelope(run_id, "push", round_idx, sender, **transfer_fields(xfer, stream, streams, enc, parts))
 
 
@@ -282,8 +323,12 @@ MAX_NAMES_PER_REQUEST = 4096
 
 def validate_state_fetch(msg: Message, known: Mapping[str, Any]) -> tuple[list[str], str]:
     names, h = msg.fields.get("names"), msg.fields.get("state_hash")
-    if (not isinstance(names, list) or not 0 < len(names) <= MAX_NAMES_PER_REQUEST
-            or not all(isinstance(n, str) and n in known for n in names) or len(set(names)) != len(names)):
+    if (
+        not isinstance(names, list)
+        or not 0 < len(names) <= MAX_NAMES_PER_REQUEST
+        or not all(isinstance(n, str) and n in known for n in names)
+        or len(set(names)) != len(names)
+    ):
         raise ProtocolViolation(ErrorCode.UNEXPECTED_TENSOR, "unknown, repeated or too many tensor names")
     if not isinstance(h, str):
         raise ProtocolViolation(ErrorCode.MALFORMED, "state_hash missing")
@@ -296,9 +341,13 @@ def validate_manifest(resp: Mapping[str, Any]) -> tuple[int, str, list[dict[str,
         raise ProtocolViolation(ErrorCode.MALFORMED, "manifest answer lacks state_hash, round or manifest")
     clean = []
     for m in man:
-        if (not isinstance(m, dict) or not isinstance(m.get("name"), str) or not isinstance(m.get("sha256"), str)
-                or not isinstance(m.get("shape"), list)
-                or not all(isinstance(x, int) and 0 <= x < 1 << 40 for x in m["shape"])):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("name"), str)
+            or not isinstance(m.get("sha256"), str)
+            or not isinstance(m.get("shape"), list)
+            or not all(isinstance(x, int) and 0 <= x < 1 << 40 for x in m["shape"])
+        ):
             raise ProtocolViolation(ErrorCode.MALFORMED, "bad manifest entry")
         clean.append(m)
     return rnd, h, clean
@@ -326,16 +375,42 @@ class ActivationFrame:
     codec: str
 
 
-def activation_header(run_id: str, sender: str, mtype: str, *, step: int, stage: int, origin: str, mb: int,
-                      batch: int, seq: int, codec: str, tokens_nbytes: int, act_nbytes: int) -> dict[str, Any]:
+def activation_header(
+    run_id: str,
+    sender: str,
+    mtype: str,
+    *,
+    step: int,
+    stage: int,
+    origin: str,
+    mb: int,
+    batch: int,
+    seq: int,
+    codec: str,
+    tokens_nbytes: int,
+    act_nbytes: int,
+) -> dict[str, Any]:
     """A micro-batch for ``stage``: the token window (B, T+1) as uint16, then the coded residual stream h."""
-    return envelope(run_id, mtype, step, sender, stage=stage, origin=origin, mb=mb, batch=batch, seq=seq,
-                    tensors=[{"name": "tokens", "codec": "none", "nbytes": tokens_nbytes},
-                             {"name": "h", "codec": codec, "nbytes": act_nbytes}])
+    return envelope(
+        run_id,
+        mtype,
+        step,
+        sender,
+        stage=stage,
+        origin=origin,
+        mb=mb,
+        batch=batch,
+        seq=seq,
+        tensors=[
+            {"name": "tokens", "codec": "none", "nbytes": tokens_nbytes},
+            {"name": "h", "codec": codec, "nbytes": act_nbytes},
+        ],
+    )
 
 
-def validate_activation(msg: Message, *, stage: int, max_batch: int, max_seq: int, codec: str,
-                        max_act_bytes: int) -> ActivationFrame:
+def validate_activation(
+    msg: Message, *, stage: int, max_batch: int, max_seq: int, codec: str, max_act_bytes: int
+) -> ActivationFrame:
     """Check an activation frame against this stage before anything is read or allocated.
 
     A frame for another stage is refused (NOT_READY: a stale route, not a fault); a shape outside the

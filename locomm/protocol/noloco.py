@@ -39,8 +39,9 @@ class NoLoCo(OuterAlgorithm):
         super().__init__(cfg, params, me)
         self.m = {k: torch.zeros_like(v) for k, v in self.phi.items()}
         self.theta_only = cfg.gamma == cfg.lr
-        self.payload_roles = {"theta": "parameter"} if self.theta_only else {"phi": "parameter",
-                                                                             "delta": "outer_gradient"}
+        self.payload_roles = (
+            {"theta": "parameter"} if self.theta_only else {"phi": "parameter", "delta": "outer_gradient"}
+        )
 
     def plan(self, round_idx: int, members: Sequence[int], params: Params) -> Exchange:
         group = group_of(self.me, noloco_groups(round_idx, members, self.cfg.group_size, self.cfg.seed))

@@ -61,8 +61,9 @@ def participants(round_idx: int, members: Sequence[int], p: float, seed: int = 0
     return [m for m, u in zip(ordered, draws) if u < p]
 
 
-def gasloc_graph(round_idx: int, members: Sequence[int], topology: str, *, k: int = 2, p: float = 1.0,
-                 seed: int = 0) -> dict[int, set[int]]:
+def gasloc_graph(
+    round_idx: int, members: Sequence[int], topology: str, *, k: int = 2, p: float = 1.0, seed: int = 0
+) -> dict[int, set[int]]:
     """Undirected neighbour sets of the round's participants."""
     part = participants(round_idx, members, p, seed)
     nbrs: dict[int, set[int]] = {m: set() for m in part}
@@ -87,7 +88,7 @@ def gasloc_graph(round_idx: int, members: Sequence[int], topology: str, *, k: in
     elif topology == "kpeers":
         rng = _rng(seed, round_idx, 0x4B)
         ordered = sorted(part)
-        for i, m in enumerate(ordered):
+        for m in ordered:
             others = [o for o in ordered if o != m]
             for j in rng.choice(len(others), size=min(k, len(others)), replace=False):
                 link(m, others[int(j)])

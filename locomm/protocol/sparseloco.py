@@ -39,15 +39,17 @@ class SparseLoCo(OuterAlgorithm):
     payload_roles = {"sparse": "outer_gradient"}
     payload_encoded = {"sparse": "topk2bit"}
 
-    def __init__(self, cfg: OuterConfig, params: Params, me: int,
-                 codec_factory: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, cfg: OuterConfig, params: Params, me: int, codec_factory: Callable[[], Any] | None = None
+    ) -> None:
         super().__init__(cfg, params, me)
         make = codec_factory or default_codec_factory(cfg)
         self.codecs = {k: make() for k in self.phi}  # one error-feedback buffer per parameter
 
     def plan(self, round_idx: int, members: Sequence[int], params: Params) -> Exchange:
-        payload: Payload = {f"sparse/{k}": self.codecs[k].encode(self.phi[k] - p.detach().float())
-                            for k, p in params.items()}
+        payload: Payload = {
+            f"sparse/{k}": self.codecs[k].encode(self.phi[k] - p.detach().float()) for k, p in params.items()
+        }
         return Exchange(peers=[m for m in members if m != self.me], payload=payload, collective=True)
 
     def apply(self, round_idx: int, params: Params, received: Mapping[int, Payload]) -> None:
@@ -57,7 +59,7 @@ class SparseLoCo(OuterAlgorithm):
             count = torch.zeros_like(phi) if senders else None
             for pl in received.values():
                 v = pl[f"sparse/{k}"]  # the codec's bytes (own payload), or a tensor the transport decoded
-                d = (self.codecs[k].decode(v) if isinstance(v, (bytes, bytearray, memoryview)) else v)
+                d = self.codecs[k].decode(v) if isinstance(v, (bytes, bytearray, memoryview)) else v
                 d = d.float().reshape(phi.shape)
                 total.add_(d)
                 if count is not None:

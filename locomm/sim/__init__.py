@@ -4,5 +4,17 @@ from locomm.sim.network import NetworkModel, parse_link, replay
 from locomm.sim.simulator import NetworkRun, SimResult, Simulator, network_for, replay_on, time_to_target
 from locomm.sim.timeline import Deadlines, Schedule, Timeline
 
-__all__ = ["Deadlines", "NetworkModel", "NetworkRun", "SimResult", "Schedule", "Simulator", "Timeline", "network_for",
-           "parse_link", "replay", "replay_on", "time_to_target"]
+__all__ = [
+    "Deadlines",
+    "NetworkModel",
+    "NetworkRun",
+    "SimResult",
+    "Schedule",
+    "Simulator",
+    "Timeline",
+    "network_for",
+    "parse_link",
+    "replay",
+    "replay_on",
+    "time_to_target",
+]

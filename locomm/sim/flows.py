@@ -101,8 +101,9 @@ def _components(flows: Sequence[Flow]) -> list[list[int]]:
     return list(groups.values())
 
 
-def run_flows(flows: Sequence[Flow], up_Bps: Sequence[float], down_Bps: Sequence[float],
-              limits: FlowLimits = FlowLimits()) -> None:
+def run_flows(
+    flows: Sequence[Flow], up_Bps: Sequence[float], down_Bps: Sequence[float], limits: FlowLimits = FlowLimits()
+) -> None:
     """Fill in each flow's ``done`` (or ``cut``) time, in place."""
     up, down = np.asarray(up_Bps, dtype=float), np.asarray(down_Bps, dtype=float)
     for comp in _components(flows):
@@ -145,14 +146,18 @@ def _run_component(flows: list[Flow], up: np.ndarray, down: np.ndarray, limits: 
         dt = t_next - t
         left[idx] -= rates * dt
         t = t_next
-        for j, i in enumerate(idx):
+        for i in idx:
             f = flows[i]
             f.history.append((t, f.nbytes - max(0.0, left[i])))
             if left[i] <= 1e-6 * max(1.0, f.nbytes):
                 f.done = t
                 open_[i] = False
-            elif floor > 0 and (t >= size_deadline[i] - 1e-12 or (
+            elif floor > 0 and (
+                t >= size_deadline[i] - 1e-12
+                or (
                     t - f.start >= limits.window_s - 1e-9
-                    and f.history[-1][1] - f.moved_at(t - limits.window_s) < floor * limits.window_s * (1 - 1e-9))):
+                    and f.history[-1][1] - f.moved_at(t - limits.window_s) < floor * limits.window_s * (1 - 1e-9)
+                )
+            ):
                 f.cut = t
                 open_[i] = False

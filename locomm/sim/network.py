@@ -52,16 +52,18 @@ class NetworkModel:
     """Seconds per inner step on a speed-1.0 worker."""
 
     @classmethod
-    def build(cls, workers: int, *, link_bps: float, latency_s: float, heterogeneity: float, step_s: float,
-              seed: int = 0) -> "NetworkModel":
+    def build(
+        cls, workers: int, *, link_bps: float, latency_s: float, heterogeneity: float, step_s: float, seed: int = 0
+    ) -> NetworkModel:
         if not 0 <= heterogeneity <= 3:
             raise ValueError(f"heterogeneity must be in [0, 3], got {heterogeneity}")
         rng = np.random.Generator(np.random.PCG64([seed, 0xBEEF]))
         bw = 10 ** (-heterogeneity * rng.random(workers))
         speed = 10 ** (-heterogeneity * rng.random(workers))
         links = tuple(float(link_bps * b) for b in bw)
-        return cls(up_bps=links, down_bps=links, speed=tuple(float(s) for s in speed), latency_s=latency_s,
-                   step_s=step_s)
+        return cls(
+            up_bps=links, down_bps=links, speed=tuple(float(s) for s in speed), latency_s=latency_s, step_s=step_s
+        )
 
     def compute_s(self, worker: int, steps: int) -> float:
         return steps * self.step_s / self.speed[worker]
@@ -99,8 +101,9 @@ class NetworkModel:
         worst = max((total - nbytes[m]) * 8 / min(self.up_bps[m], self.down_bps[m]) for m in members)
         return (n - 1) * self.latency_s + worst
 
-    def direct_exchange_s(self, me: int, peers: Sequence[int], nbytes: Mapping[int, float],
-                          degree: Mapping[int, int]) -> float:
+    def direct_exchange_s(
+        self, me: int, peers: Sequence[int], nbytes: Mapping[int, float], degree: Mapping[int, int]
+    ) -> float:
         if not peers:
             return 0.0
         up = nbytes[me] * len(peers) * 8 / self.up_bps[me]
@@ -128,15 +131,23 @@ class RoundRecord:
     """Whose payload each worker used, when the run had a network (None: everyone's)."""
 
 
-def replay(records: Sequence[RoundRecord], net: NetworkModel, workers: int, *, overlap: bool = True,
-           apply_delay_steps: int = 0, deadlines: "Deadlines | None" = None) -> tuple[Timeline, list[float]]:
+def replay(
+    records: Sequence[RoundRecord],
+    net: NetworkModel,
+    workers: int,
+    *,
+    overlap: bool = True,
+    apply_delay_steps: int = 0,
+    deadlines: Deadlines | None = None,
+) -> tuple[Timeline, list[float]]:
     """Simulated wall-clock of recorded rounds: the timeline, and when each round's model was held by all.
 
     Valid for the numerics of the record only where no deadline fires differently on ``net``
     (``replay_schedule`` counts those); otherwise simulate again with ``Simulator(network=net)``.
     """
-    tl, _ = replay_schedule(records, net, workers, overlap=overlap, apply_delay_steps=apply_delay_steps,
-                            deadlines=deadlines)
+    tl, _ = replay_schedule(
+        records, net, workers, overlap=overlap, apply_delay_steps=apply_delay_steps, deadlines=deadlines
+    )
     return tl, round_done(tl, overlap)
 
 

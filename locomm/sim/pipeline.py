@@ -97,8 +97,15 @@ class PipelineResult:
 class PipelineSim:
     """S stages x R replicas of one run spec, trained in one process."""
 
-    def __init__(self, spec: RunSpec, replicas: int, *, splits: TokenSplits | None = None,
-                 subspace: bool | None = None, eval_every: int = 0) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        replicas: int,
+        *,
+        splits: TokenSplits | None = None,
+        subspace: bool | None = None,
+        eval_every: int = 0,
+    ) -> None:
         if spec.pipeline.stages < 2:
             raise ConfigError("pipeline.stages: the pipeline simulator needs at least 2 stages")
         if not 1 <= replicas <= 16:
@@ -114,8 +121,10 @@ class PipelineSim:
         for r in range(self.R):
             for s, mod in enumerate(build_stages(spec, self.geo)):
                 self.workers[r][s] = StageWorker(spec, s, geo=self.geo, module=mod)
-        self.samplers = [BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=r,
-                                      num_workers=self.R) for r in range(self.R)]
+        self.samplers = [
+            BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=r, num_workers=self.R)
+            for r in range(self.R)
+        ]
         self._val = eval_batches(self.splits.val, spec.data, spec.train.eval_batches)
         self.M = spec.data.batch_size // spec.pipeline.micro_batch_size
         self.mb_size = spec.pipeline.micro_batch_size
@@ -126,8 +135,7 @@ class PipelineSim:
                 self.algos.append([build_outer(spec.outer, self.workers[r][s].params(), r) for r in range(self.R)])
                 a0 = self.algos[s][0]
                 shapes = {k: tuple(p.shape) for k, p in self.workers[0][s].params().items()}
-                self.coders.append(PayloadCodec(shapes, a0.payload_roles, spec.compression,
-                                                encoded=a0.payload_encoded))
+                self.coders.append(PayloadCodec(shapes, a0.payload_roles, spec.compression, encoded=a0.payload_encoded))
         self._mb_id = 0
         self._t = defaultdict(float)
         self._n = defaultdict(int)
@@ -199,7 +207,7 @@ class PipelineSim:
             acc = 0.0
             for x, y in self._val:
                 h = None
-                for s, m in enumerate(mods):
+                for m in mods:
                     if h is not None:
                         h = self.coder.decode_activation(self.coder.encode_activation(h, x), x)
                     h = m(x, h)
@@ -210,10 +218,15 @@ class PipelineSim:
     def run(self, steps: int, on_step: Callable[[int, PipelineResult], None] | None = None) -> PipelineResult:
         if steps < 1:
             raise ConfigError(f"steps: must be >= 1, got {steps}")
-        res = PipelineResult(stages=self.S, replicas=self.R, steps=steps,
-                             tokens_per_step=self.R * self.spec.data.batch_size * self.spec.data.seq_len,
-                             subspace=self.geo.subspace, k=self.geo.k,
-                             tokens_per_micro=self.mb_size * self.spec.data.seq_len)
+        res = PipelineResult(
+            stages=self.S,
+            replicas=self.R,
+            steps=steps,
+            tokens_per_step=self.R * self.spec.data.batch_size * self.spec.data.seq_len,
+            subspace=self.geo.subspace,
+            k=self.geo.k,
+            tokens_per_micro=self.mb_size * self.spec.data.seq_len,
+        )
         t0 = time.perf_counter()
         res.eval_steps.append(0)
         res.val_loss.append(self.evaluate())
@@ -224,7 +237,7 @@ class PipelineSim:
             traces, losses = [], []
             for m in range(self.M):  # stage-0 replicas feed the pipeline in turn
                 for r in range(self.R):
-                    loss, tr = self.micro_batch(r, windows[r][m * self.mb_size:(m + 1) * self.mb_size])
+                    loss, tr = self.micro_batch(r, windows[r][m * self.mb_size : (m + 1) * self.mb_size])
                     losses.append(loss)
                     traces.append(tr)
             res.traces.append(traces)
@@ -285,8 +298,16 @@ class Timeline:
         return 1.0 - sum(self.busy_s.values()) / (n * self.wall_s) if self.wall_s > 0 and n else 0.0
 
 
-def replay(res: PipelineResult, *, fwd_s: list[float], bwd_s: list[float], link_bps: float, latency_s: float,
-           in_flight: int, sync_bps: float | None = None) -> Timeline:
+def replay(
+    res: PipelineResult,
+    *,
+    fwd_s: list[float],
+    bwd_s: list[float],
+    link_bps: float,
+    latency_s: float,
+    in_flight: int,
+    sync_bps: float | None = None,
+) -> Timeline:
     """The 1F1B timeline of a recorded run (see the module docstring)."""
     S, R = res.stages, res.replicas
     events: list[tuple[float, int, Callable[[float], None]]] = []
@@ -350,8 +371,9 @@ def replay(res: PipelineResult, *, fwd_s: list[float], bwd_s: list[float], link_
             if s == S - 1:
                 compute(node, 0, fwd_s[s] + bwd_s[s], lambda te: backward_send(tr, s, te), t)
             else:
-                compute(node, 1, fwd_s[s],
-                        lambda te: send(node, tr.fwd_bytes[s], lambda ta: forward(tr, s + 1, ta), te), t)
+                compute(
+                    node, 1, fwd_s[s], lambda te: send(node, tr.fwd_bytes[s], lambda ta: forward(tr, s + 1, ta), te), t
+                )
 
         def backward_send(tr: MicroTrace, s: int, t: float) -> None:
             # stage s finished its backward: send the gradient to stage s-1 (or finish at stage 0)
@@ -363,8 +385,14 @@ def replay(res: PipelineResult, *, fwd_s: list[float], bwd_s: list[float], link_
                 issue(tr.origin, t)
                 return
             src = (s, tr.route[s])
-            send(src, tr.bwd_bytes[s - 1], lambda ta: compute((s - 1, tr.route[s - 1]), 0, bwd_s[s - 1],
-                                                               lambda te: backward_send(tr, s - 1, te), ta), t)
+            send(
+                src,
+                tr.bwd_bytes[s - 1],
+                lambda ta: compute(
+                    (s - 1, tr.route[s - 1]), 0, bwd_s[s - 1], lambda te: backward_send(tr, s - 1, te), ta
+                ),
+                t,
+            )
 
         for o in per_origin:
             issue(o, t_start)
@@ -406,46 +434,81 @@ def overlap_by_stage(intervals: list[tuple[float, float, int]], stages: int) -> 
     return {s: both[s] / (both[s] + alone[s]) if both[s] + alone[s] > 0 else 0.0 for s in range(stages)}
 
 
-def summarize(sim: PipelineSim, res: PipelineResult, *, link_bps: float, latency_s: float,
-              tflops: float) -> dict[str, Any]:
+def summarize(
+    sim: PipelineSim, res: PipelineResult, *, link_bps: float, latency_s: float, tflops: float
+) -> dict[str, Any]:
     """The --json summary: losses, bytes per token per boundary, and the timeline at the cost model's speeds."""
     spec = sim.spec
     tokens_mb = sim.mb_size * spec.data.seq_len
     params = sim.stage_parameters()
-    flops = [flops_stage_s(params[s], len(sim.geo.ranges[s]), tokens_mb, spec.data.seq_len, sim.geo.d, tflops)
-             for s in range(sim.S)]
+    flops = [
+        flops_stage_s(params[s], len(sim.geo.ranges[s]), tokens_mb, spec.data.seq_len, sim.geo.d, tflops)
+        for s in range(sim.S)
+    ]
     in_flight = spec.pipeline.in_flight
-    model_tl = replay(res, fwd_s=[f for f, _ in flops], bwd_s=[b for _, b in flops], link_bps=link_bps,
-                      latency_s=latency_s, in_flight=in_flight)
-    local_tl = replay(res, fwd_s=res.fwd_s, bwd_s=res.bwd_s, link_bps=link_bps, latency_s=latency_s,
-                      in_flight=in_flight)
+    model_tl = replay(
+        res,
+        fwd_s=[f for f, _ in flops],
+        bwd_s=[b for _, b in flops],
+        link_bps=link_bps,
+        latency_s=latency_s,
+        in_flight=in_flight,
+    )
+    local_tl = replay(
+        res, fwd_s=res.fwd_s, bwd_s=res.bwd_s, link_bps=link_bps, latency_s=latency_s, in_flight=in_flight
+    )
     tokens = res.tokens_per_step * res.steps
     bpt = res.bytes_per_token_per_boundary()
     return {
-        "stages": sim.S, "replicas": sim.R, "steps": res.steps, "subspace": res.subspace, "k": res.k,
-        "d_model": sim.geo.d, "activation_codec": sim.coder.act_stack, "gradient_codec": sim.coder.grad_stack,
-        "outer_algo": spec.outer.algo if sim.algos else "none", "inner_steps": spec.outer.inner_steps,
-        "initial_val_loss": res.val_loss[0], "final_val_loss": res.final_val_loss,
+        "stages": sim.S,
+        "replicas": sim.R,
+        "steps": res.steps,
+        "subspace": res.subspace,
+        "k": res.k,
+        "d_model": sim.geo.d,
+        "activation_codec": sim.coder.act_stack,
+        "gradient_codec": sim.coder.grad_stack,
+        "outer_algo": spec.outer.algo if sim.algos else "none",
+        "inner_steps": spec.outer.inner_steps,
+        "initial_val_loss": res.val_loss[0],
+        "final_val_loss": res.final_val_loss,
         "final_train_loss": res.train_loss[-1],
-        "bytes_per_token_per_boundary": bpt["total"], "bytes_per_token_per_boundary_fwd": bpt["forward"],
-        "bytes_per_token_per_boundary_bwd": bpt["backward"], "uncompressed_bf16_bytes_per_token": 2 * sim.geo.d,
+        "bytes_per_token_per_boundary": bpt["total"],
+        "bytes_per_token_per_boundary_fwd": bpt["forward"],
+        "bytes_per_token_per_boundary_bwd": bpt["backward"],
+        "uncompressed_bf16_bytes_per_token": 2 * sim.geo.d,
         "tokens_per_s": tokens / model_tl.wall_s if model_tl.wall_s > 0 else float("inf"),
         "bubble_fraction": model_tl.bubble_fraction(),
         "tokens_per_s_local_compute": tokens / local_tl.wall_s if local_tl.wall_s > 0 else float("inf"),
         "bubble_fraction_local_compute": local_tl.bubble_fraction(),
         "stage_overlap_share": {str(s): v for s, v in model_tl.overlap_share.items()},
         "stage_overlap_share_local_compute": {str(s): v for s, v in local_tl.overlap_share.items()},
-        "link_bps": link_bps, "latency_s": latency_s, "tflops": tflops, "in_flight": in_flight,
-        "micro_batch_size": sim.mb_size, "micro_batches_per_step": sim.M,
-        "stage_fwd_s_local": res.fwd_s, "stage_bwd_s_local": res.bwd_s,
+        "link_bps": link_bps,
+        "latency_s": latency_s,
+        "tflops": tflops,
+        "in_flight": in_flight,
+        "micro_batch_size": sim.mb_size,
+        "micro_batches_per_step": sim.M,
+        "stage_fwd_s_local": res.fwd_s,
+        "stage_bwd_s_local": res.bwd_s,
         "sync_bytes_per_round": [max(b.values(), default=0) for b in res.sync_bytes][:1],
         "real_wall_s": res.wall_s,
         "curve": {"steps": res.eval_steps, "val_loss": res.val_loss},
     }
 
 
-def run_pipeline_simulation(spec: RunSpec, *, replicas: int, steps: int, link_bps: float, latency_s: float,
-                            tflops: float, subspace: bool | None, quiet: bool, eval_every: int = 0) -> dict[str, Any]:
+def run_pipeline_simulation(
+    spec: RunSpec,
+    *,
+    replicas: int,
+    steps: int,
+    link_bps: float,
+    latency_s: float,
+    tflops: float,
+    subspace: bool | None,
+    quiet: bool,
+    eval_every: int = 0,
+) -> dict[str, Any]:
     """`locomm-peer simulate --pipeline SxR`: train, replay the timeline, return the JSON summary."""
     import sys  # noqa: PLC0415
 
@@ -469,8 +532,10 @@ def run_pipeline_simulation(spec: RunSpec, *, replicas: int, steps: int, link_bp
         sys.exit(2)
     out = summarize(sim, res, link_bps=link_bps, latency_s=latency_s, tflops=tflops)
     if not quiet:
-        console.print(f"pipeline {sim.S}x{sim.R} ({'k=' + str(sim.geo.k) if sim.geo.subspace else 'no subspace'}): "
-                      f"val {out['final_val_loss']:.4f} (from {out['initial_val_loss']:.3f}), "
-                      f"{out['bytes_per_token_per_boundary']:.1f} B/token/boundary (fwd+bwd), "
-                      f"{out['tokens_per_s']:,.0f} tokens/s predicted, bubble {100 * out['bubble_fraction']:.1f}%")
+        console.print(
+            f"pipeline {sim.S}x{sim.R} ({'k=' + str(sim.geo.k) if sim.geo.subspace else 'no subspace'}): "
+            f"val {out['final_val_loss']:.4f} (from {out['initial_val_loss']:.3f}), "
+            f"{out['bytes_per_token_per_boundary']:.1f} B/token/boundary (fwd+bwd), "
+            f"{out['tokens_per_s']:,.0f} tokens/s predicted, bubble {100 * out['bubble_fraction']:.1f}%"
+        )
     return out

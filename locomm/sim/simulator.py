@@ -28,7 +28,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -82,13 +81,22 @@ class SimResult:
 class Simulator:
     """Runs ``spec.outer.algo`` on ``workers`` virtual workers."""
 
-    def __init__(self, spec: RunSpec, workers: int, *, splits: TokenSplits | None = None,
-                 codec: str | None = None, eval_every: int = 1, overlap: bool = True,
-                 network: NetworkModel | None = None) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        workers: int,
+        *,
+        splits: TokenSplits | None = None,
+        codec: str | None = None,
+        eval_every: int = 1,
+        overlap: bool = True,
+        network: NetworkModel | None = None,
+    ) -> None:
         algo = spec.outer.algo
         if algo == "none":
-            raise ConfigError("outer.algo: 'none' is single-node training; pick ddp, diloco, noloco, gasloc "
-                              "or sparseloco to simulate")
+            raise ConfigError(
+                "outer.algo: 'none' is single-node training; pick ddp, diloco, noloco, gasloc or sparseloco to simulate"
+            )
         if not 2 <= workers <= 64:
             raise ConfigError(f"workers: must be in [2, 64], got {workers}")
         if network is not None and len(network.speed) != workers:
@@ -107,18 +115,29 @@ class Simulator:
         self.overlap = overlap and algo != "ddp"  # DDP is a blocking all-reduce every step
         self.deadlines = Deadlines.from_config(spec.network)
         self.network = network
-        self.schedule = (Schedule(network, workers, overlap=self.overlap,
-                                  apply_delay_steps=spec.outer.apply_delay_steps, deadlines=self.deadlines)
-                         if network is not None else None)
+        self.schedule = (
+            Schedule(
+                network,
+                workers,
+                overlap=self.overlap,
+                apply_delay_steps=spec.outer.apply_delay_steps,
+                deadlines=self.deadlines,
+            )
+            if network is not None
+            else None
+        )
         self.pending: list[tuple[int, dict[str, torch.Tensor], dict[int, Payload]] | None] = [None] * workers
         if algo == "ddp":
             self.trainers = [Trainer(spec, splits=self.splits)]
-            self.samplers = [BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=w,
-                                          num_workers=workers) for w in range(workers)]
+            self.samplers = [
+                BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=w, num_workers=workers)
+                for w in range(workers)
+            ]
             self.ddp = [DDP(w) for w in range(workers)]
         else:
-            self.trainers = [Trainer(spec, splits=self.splits, worker_id=w, num_workers=workers)
-                             for w in range(workers)]
+            self.trainers = [
+                Trainer(spec, splits=self.splits, worker_id=w, num_workers=workers) for w in range(workers)
+            ]
             self.algos = [build_outer(spec.outer, self._params(w), w) for w in range(workers)]
         shapes = {k: tuple(p.shape) for k, p in self._params(0).items()}
         # The daemon's codec: the same parts, stacks and rounding, so both count the same bytes.
@@ -173,11 +192,18 @@ class Simulator:
                 wire.append(received)
                 sizes[w] = nbytes
         raw = float(max(1, self.coder.raw_bytes())) if not butterfly else None
-        peers = {w: ([m for m in self.members if m != w] if plan.collective else list(plan.peers))
-                 for w, plan in enumerate(plans)}
-        rec = RoundRecord(steps=H, bytes_sent=sizes, kind="butterfly" if butterfly else "direct",
-                          peers={} if butterfly else peers, members=list(self.members),
-                          raw_bytes=None if butterfly else {w: raw for w in self.members})
+        peers = {
+            w: ([m for m in self.members if m != w] if plan.collective else list(plan.peers))
+            for w, plan in enumerate(plans)
+        }
+        rec = RoundRecord(
+            steps=H,
+            bytes_sent=sizes,
+            kind="butterfly" if butterfly else "direct",
+            peers={} if butterfly else peers,
+            members=list(self.members),
+            raw_bytes=None if butterfly else {w: raw for w in self.members},
+        )
         if self.schedule is not None:
             answered = self.schedule.step(rec)
             rec.answered = {w: sorted(a) for w, a in enumerate(answered)}
@@ -230,8 +256,9 @@ class Simulator:
             for w in self.members:
                 res.bytes_sent[w] += 2 * (n - 1) / n * nbytes
                 res.bytes_received[w] += 2 * (n - 1) / n * nbytes
-            rec = RoundRecord(steps=1, bytes_sent={w: nbytes for w in self.members}, kind="allreduce", peers={},
-                              members=self.members)
+            rec = RoundRecord(
+                steps=1, bytes_sent={w: nbytes for w in self.members}, kind="allreduce", peers={}, members=self.members
+            )
             if self.schedule is not None:
                 self.schedule.step(rec)
             res.records.append(rec)
@@ -246,9 +273,17 @@ class Simulator:
         if rounds < 1:
             raise ConfigError(f"rounds: must be >= 1, got {rounds}")
         H = self.spec.outer.inner_steps
-        res = SimResult(algo=self.spec.outer.algo, workers=self.workers, rounds=rounds, inner_steps=H,
-                        bytes_sent=[0] * self.workers, bytes_received=[0] * self.workers, overlap=self.overlap,
-                        apply_delay_steps=self.spec.outer.apply_delay_steps, deadlines=self.deadlines)
+        res = SimResult(
+            algo=self.spec.outer.algo,
+            workers=self.workers,
+            rounds=rounds,
+            inner_steps=H,
+            bytes_sent=[0] * self.workers,
+            bytes_received=[0] * self.workers,
+            overlap=self.overlap,
+            apply_delay_steps=self.spec.outer.apply_delay_steps,
+            deadlines=self.deadlines,
+        )
         t0 = time.perf_counter()
         self._record_eval(res, 0)
         for r in range(rounds):
@@ -280,7 +315,7 @@ class Simulator:
     def weight_distance(self) -> float:
         """Largest L2 distance between two workers' weights (0 for DDP)."""
         flat = [torch.cat([p.detach().flatten() for p in t.model.parameters()]) for t in self.trainers]
-        return max((float((a - b).norm()) for i, a in enumerate(flat) for b in flat[i + 1:]), default=0.0)
+        return max((float((a - b).norm()) for i, a in enumerate(flat) for b in flat[i + 1 :]), default=0.0)
 
 
 def time_to_target(res: SimResult, round_times: list[float], target: float) -> float:
@@ -315,17 +350,36 @@ class NetworkRun:
         return min(self.compute_utilisation)
 
 
-def network_for(res: SimResult, *, link_bps: float, latency_s: float, heterogeneity: float, step_s: float,
-                seed: int = 0, deadlines: Deadlines | None = None) -> NetworkRun:
+def network_for(
+    res: SimResult,
+    *,
+    link_bps: float,
+    latency_s: float,
+    heterogeneity: float,
+    step_s: float,
+    seed: int = 0,
+    deadlines: Deadlines | None = None,
+) -> NetworkRun:
     """Replay a run's recorded traffic on a network, with the run's schedule and (default) its deadlines."""
-    net = NetworkModel.build(res.workers, link_bps=link_bps, latency_s=latency_s, heterogeneity=heterogeneity,
-                             step_s=step_s, seed=seed)
+    net = NetworkModel.build(
+        res.workers, link_bps=link_bps, latency_s=latency_s, heterogeneity=heterogeneity, step_s=step_s, seed=seed
+    )
     return replay_on(res, net, deadlines=deadlines)
 
 
 def replay_on(res: SimResult, net: NetworkModel, *, deadlines: Deadlines | None = None) -> NetworkRun:
-    tl, mismatches = replay_schedule(res.records, net, res.workers, overlap=res.overlap,
-                                     apply_delay_steps=res.apply_delay_steps,
-                                     deadlines=deadlines if deadlines is not None else res.deadlines)
-    return NetworkRun(wall_s=tl.wall(), round_done=round_done(tl, res.overlap),
-                      compute_utilisation=tl.compute_utilisation(), mismatches=mismatches, skipped=tl.skipped)
+    tl, mismatches = replay_schedule(
+        res.records,
+        net,
+        res.workers,
+        overlap=res.overlap,
+        apply_delay_steps=res.apply_delay_steps,
+        deadlines=deadlines if deadlines is not None else res.deadlines,
+    )
+    return NetworkRun(
+        wall_s=tl.wall(),
+        round_done=round_done(tl, res.overlap),
+        compute_utilisation=tl.compute_utilisation(),
+        mismatches=mismatches,
+        skipped=tl.skipped,
+    )

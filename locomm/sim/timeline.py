@@ -73,19 +73,24 @@ class Deadlines:
     request_timeout_s: float = 30.0
 
     @classmethod
-    def from_config(cls, net: Any) -> "Deadlines":
-        return cls(stall_timeout_s=net.stall_timeout_s, min_rate_Bps=net.min_rate_mbit * 1e6 / 8,
-                   rate_window_s=net.rate_window_s, max_wait_s=net.max_wait_s,
-                   request_timeout_s=net.request_timeout_s)
+    def from_config(cls, net: Any) -> Deadlines:
+        return cls(
+            stall_timeout_s=net.stall_timeout_s,
+            min_rate_Bps=net.min_rate_mbit * 1e6 / 8,
+            rate_window_s=net.rate_window_s,
+            max_wait_s=net.max_wait_s,
+            request_timeout_s=net.request_timeout_s,
+        )
 
     @classmethod
-    def never(cls) -> "Deadlines":
+    def never(cls) -> Deadlines:
         inf = math.inf
         return cls(stall_timeout_s=inf, min_rate_Bps=0.0, rate_window_s=inf, max_wait_s=inf, request_timeout_s=inf)
 
     def flow_limits(self) -> FlowLimits:
-        return FlowLimits(floor_Bps=self.min_rate_Bps, window_s=self.rate_window_s,
-                          request_timeout_s=self.request_timeout_s)
+        return FlowLimits(
+            floor_Bps=self.min_rate_Bps, window_s=self.rate_window_s, request_timeout_s=self.request_timeout_s
+        )
 
 
 @dataclass
@@ -123,9 +128,17 @@ class Timeline:
 class Schedule:
     """Drives the per-worker timelines one round at a time; tells each worker whose payload it got."""
 
-    def __init__(self, net: "NetworkModel", workers: int, *, overlap: bool = True, apply_delay_steps: int = 0,
-                 deadlines: Deadlines | None = None, round_compute: Sequence[Sequence[float]] | None = None,
-                 round_overhead_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        net: NetworkModel,
+        workers: int,
+        *,
+        overlap: bool = True,
+        apply_delay_steps: int = 0,
+        deadlines: Deadlines | None = None,
+        round_compute: Sequence[Sequence[float]] | None = None,
+        round_overhead_s: float = 0.0,
+    ) -> None:
         """``round_compute[r][w]``: measured seconds of worker w's round-r compute, in place of the model's
         (to check the network and schedule model against a real run with the real compute times).
         ``round_overhead_s``: the daemon's per-round work besides inner steps, between the end of compute
@@ -174,7 +187,7 @@ class Schedule:
             return float(self.round_compute[self.r][w])
         return self.net.compute_s(w, steps)
 
-    def step(self, rec: "RoundRecord") -> list[set[int]]:
+    def step(self, rec: RoundRecord) -> list[set[int]]:
         """Advance every worker through one round; returns, per worker, the peers whose payload it used."""
         plan = self._compute(rec.steps)
         if rec.kind == "direct":
@@ -205,7 +218,7 @@ class Schedule:
         arrive = max(ready, now) + raw * max(1, self.partners[p]) / up
         return arrive + self.dl.stall_timeout_s + 0.25 * round_s
 
-    def _direct(self, rec: "RoundRecord", plan: list[float]) -> tuple[list[float], list[set[int]]]:
+    def _direct(self, rec: RoundRecord, plan: list[float]) -> tuple[list[float], list[set[int]]]:
         lat = self.net.latency_s
         flows: dict[tuple[int, int], Flow] = {}
         for w in range(self.n):
@@ -247,7 +260,7 @@ class Schedule:
             end[w] = t_end
         return end, got
 
-    def _butterfly(self, rec: "RoundRecord", plan: list[float]) -> tuple[list[float], list[set[int]]]:
+    def _butterfly(self, rec: RoundRecord, plan: list[float]) -> tuple[list[float], list[set[int]]]:
         members = sorted(rec.members, key=lambda m: plan[m])
         first = plan[members[0]]
         timeout = self.dl.request_timeout_s
@@ -277,7 +290,7 @@ class Schedule:
                 self.tl.skipped += len(group) - 1
         return end, got
 
-    def _ring(self, rec: "RoundRecord", plan: list[float]) -> tuple[list[float], list[set[int]]]:
+    def _ring(self, rec: RoundRecord, plan: list[float]) -> tuple[list[float], list[set[int]]]:
         start = max(plan[m] for m in rec.members)
         dur = self.net.ring_allreduce_s(rec.members, max(rec.bytes_sent[m] for m in rec.members))
         end = list(plan)
@@ -288,8 +301,15 @@ class Schedule:
         return end, got
 
 
-def replay_schedule(records: Sequence["RoundRecord"], net: "NetworkModel", workers: int, *, overlap: bool = True,
-                    apply_delay_steps: int = 0, deadlines: Deadlines | None = None) -> tuple[Timeline, int]:
+def replay_schedule(
+    records: Sequence[RoundRecord],
+    net: NetworkModel,
+    workers: int,
+    *,
+    overlap: bool = True,
+    apply_delay_steps: int = 0,
+    deadlines: Deadlines | None = None,
+) -> tuple[Timeline, int]:
     """Re-time recorded rounds on ``net``; also returns how many (round, worker) used other partners than
     the record did (a deadline fired differently): then the numerics differ and the run must be redone."""
     sched = Schedule(net, workers, overlap=overlap, apply_delay_steps=apply_delay_steps, deadlines=deadlines)
@@ -303,7 +323,7 @@ def replay_schedule(records: Sequence["RoundRecord"], net: "NetworkModel", worke
     return sched.tl, mismatches
 
 
-def _full(rec: "RoundRecord", w: int) -> set[int]:
+def _full(rec: RoundRecord, w: int) -> set[int]:
     if rec.kind == "direct":
         return set(rec.peers.get(w, ()))
     return set(rec.members) - {w}

@@ -124,7 +124,7 @@ def netns_prefix() -> list[str]:
 
 
 def run_loop(coro: Any, loop: str) -> Any:
-    """The node's event loop: uvloop when installed (locomm/peer/daemon.py), else asyncio."""
+    """The node's event loop: uvloop when installed (locomm/cli/daemon.py), else asyncio."""
     if loop == "uvloop":
         try:
             import uvloop

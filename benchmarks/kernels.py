@@ -223,7 +223,7 @@ def bench_step(preset: str, dev: str, repeats: int, rows: list[dict]) -> None:
 
 
 def interpreter_checks(rows: list[dict]) -> None:
-    """Correctness of every kernel on small CPU tensors (tests/test_kernels.py runs the full set)."""
+    """Correctness of every kernel on small CPU tensors (tests/unit/test_kernels.py runs the full set)."""
     from locomm.kernels import model as km
 
     x = (torch.randn(3000) * 0.02).bfloat16()

@@ -1,6 +1,6 @@
 """Consumer-link bench with real peers: one network namespace per `locomm-peer join` process.
 
-Every peer runs in its own namespace on one Linux bridge (locomm/netlab.py), its veth shaped with tc
+Every peer runs in its own namespace on one Linux bridge (locomm/testing/netlab.py), its veth shaped with tc
 tbf in both directions: the host end's egress is the peer's upload, the bridge end's egress its
 download. Peer 0 starts the swarm and writes its multiaddrs to an announce file; the others join
 through the one on peer 0's namespace address, all with the same run spec file. With ``--nat K`` the
@@ -44,8 +44,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from locomm import netlab  # noqa: E402
 from locomm.config import ConfigError, RunSpec  # noqa: E402
+from locomm.testing import netlab  # noqa: E402
 
 SUMMARY_KEYS = (
     "rounds_completed",
@@ -161,7 +161,7 @@ def param_count(spec: RunSpec) -> int:
 # ------------------------------------------------------------------------------------- reading
 
 
-from locomm.peer.local_swarm import read_events  # noqa: E402 - one reader of the peers' JSON-lines logs
+from locomm.cli.local_swarm import read_events  # noqa: E402 - one reader of the peers' JSON-lines logs
 
 
 def last_json_line(path: Path) -> dict[str, Any] | None:
@@ -425,14 +425,14 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
 
 def boundary_stack(spec: RunSpec) -> str:
     """The codec stack a boundary really uses (without the subspace, its stage is dropped)."""
-    from locomm.pipeline.wire import _stack  # noqa: PLC0415
+    from locomm.compression.boundary import _stack  # noqa: PLC0415
 
     return _stack(spec.compression.activation, spec.pipeline.subspace)
 
 
 def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
     """S x R stage peers, one shaped host each; the pipeline swarm's summary plus the links."""
-    from locomm.pipeline.swarm import run_pipeline_swarm  # noqa: PLC0415
+    from locomm.cli.pipeline_swarm import run_pipeline_swarm  # noqa: PLC0415
 
     spec = spec.replace("pipeline", stages=args.stages, subspace=not args.no_subspace)
     if args.steps:

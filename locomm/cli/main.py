@@ -382,7 +382,7 @@ def join(
             raise ConfigError(f"--checkpoint-every: must be >= 1, got {checkpoint_every}")
     except ConfigError as e:
         fail(str(e))
-    from locomm.peer.daemon import run_node  # noqa: PLC0415 - imports torch and hivemind
+    from locomm.cli.daemon import run_node  # noqa: PLC0415 - imports torch and hivemind
 
     summary = run_node(
         spec,
@@ -480,7 +480,7 @@ def swarm(
             spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)
         except ConfigError as e:
             fail(str(e))
-        from locomm.pipeline.swarm import run_pipeline_swarm  # noqa: PLC0415
+        from locomm.cli.pipeline_swarm import run_pipeline_swarm  # noqa: PLC0415
 
         summary = run_pipeline_swarm(
             spec,
@@ -507,7 +507,7 @@ def swarm(
             spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)
     except ConfigError as e:
         fail(str(e))
-    from locomm.peer.local_swarm import run_swarm  # noqa: PLC0415
+    from locomm.cli.local_swarm import run_swarm  # noqa: PLC0415
 
     summary = run_swarm(spec, peers=peers, rounds=rounds, quiet=as_json, plot=plot, keep=keep)
     if as_json:
@@ -522,7 +522,7 @@ def swarm(
 @click.option("--json", "as_json", is_flag=True, help="Print the swarm as one JSON object.")
 def status(initial_peers: tuple[str, ...], watch: bool, as_json: bool) -> None:
     """Show a running swarm from its DHT records: peers, rounds, loss, throughput, traffic."""
-    from locomm.peer.status import show_status  # noqa: PLC0415
+    from locomm.cli.status import show_status  # noqa: PLC0415
 
     show_status(list(initial_peers), watch=watch, as_json=as_json)
 

@@ -98,7 +98,7 @@ class NodeOptions:
     spec_from_user: bool = True
     """False when the spec is only a default: a joiner then takes the swarm's without comparing."""
     reporter: Any = None
-    """Shows the user what the node is doing (locomm.peer.display.JoinReporter): ``update(status)``
+    """Shows the user what the node is doing (locomm.cli.display.JoinReporter): ``update(status)``
     about twice a second, ``round_done(status)`` after each round, ``finish(summary)`` at exit."""
 
 
@@ -368,7 +368,7 @@ class Node:
         return self.gossip.stats.bytes_received + self.avg_bytes
 
     def status(self) -> dict[str, Any]:
-        """What the node is doing now, for the live display (locomm.peer.display); called once the node's
+        """What the node is doing now, for the live display (locomm.cli.display); called once the node's
         trainer and services exist (the report loop and round_done start after them)."""
         return {
             "peer": self.me[-8:],

@@ -1,12 +1,12 @@
 """Pipeline mode in one process: S stages x R replicas on the sans-IO core, and a cost model for its timeline.
 
 Notable:
-- Every stage replica is a real :class:`locomm.pipeline.worker.StageWorker` (the stage
+- Every stage replica is a real :class:`locomm.train.stage.StageWorker` (the stage
   server's compute core); every boundary crossing goes through the stage server's
-  :class:`locomm.pipeline.wire.BoundaryCoder`, so lossy stages really change what the
+  :class:`locomm.compression.boundary.BoundaryCoder`, so lossy stages really change what the
   next stage sees and the bytes counted are those the daemon sends (token window,
   activation, gradient).
-- Routing is the daemon's: :func:`locomm.pipeline.router.route`, seeded per micro-batch.
+- Routing is the daemon's: :func:`locomm.protocol.routing.route`, seeded per micro-batch.
   Stage-0 replica r draws its own data shard (worker r of R). Steps follow the
   workers' own rule (a replica steps after a batch's worth of micro-batches).
 - Every ``outer.inner_steps`` steps the replicas of each stage run the configured outer
@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
+from locomm.compression.boundary import BoundaryCoder
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.data import BatchSampler, TokenSplits, eval_batches, load_corpus
-from locomm.pipeline.model import Geometry, StageModule, build_stages
-from locomm.pipeline.router import route
-from locomm.pipeline.wire import BoundaryCoder
-from locomm.pipeline.worker import StageWorker
+from locomm.model.stages import Geometry, StageModule, build_stages
 from locomm.protocol import build_outer
+from locomm.protocol.routing import route
+from locomm.train.stage import StageWorker
 
 
 @dataclass(frozen=True)

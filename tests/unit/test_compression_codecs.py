@@ -213,7 +213,7 @@ def test_stack_registry_and_roles() -> None:
 
 
 def test_no_asyncio_or_sockets_in_compression() -> None:
-    root = pathlib.Path(__file__).resolve().parents[1] / "locomm" / "compression"
+    root = pathlib.Path(__file__).resolve().parents[2] / "locomm" / "compression"
     for path in root.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = (

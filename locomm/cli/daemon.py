@@ -7,9 +7,9 @@ import logging
 import sys
 from typing import Any
 
+from locomm.cli.display import make_reporter
 from locomm.config import ConfigError, RunSpec
 from locomm.data import CorpusError
-from locomm.peer.display import make_reporter
 from locomm.peer.node import Node, NodeOptions
 
 
@@ -30,7 +30,7 @@ def run_node(
 ) -> dict[str, Any]:
     """Run one node to completion in a fresh event loop (uvloop when installed).
 
-    ``reporter`` shows the user what the node does (locomm.peer.display); by default a live line on a
+    ``reporter`` shows the user what the node does (locomm.cli.display); by default a live line on a
     terminal, plain lines per round otherwise, nothing with ``quiet``. It goes to stderr: stdout stays free
     for ``--json``. ``reporter.close()`` runs whatever happens (it restores the terminal).
     """
@@ -40,8 +40,8 @@ def run_node(
         reporter = make_reporter(quiet=quiet or stage is not None)  # pipeline mode: the event log, no live line
     try:
         try:
-            if stage is not None:  # pipeline mode: serve one stage (locomm/pipeline/node.py)
-                from locomm.pipeline.node import PipelineNode  # noqa: PLC0415
+            if stage is not None:  # pipeline mode: serve one stage (locomm/peer/stage.py)
+                from locomm.peer.stage import PipelineNode  # noqa: PLC0415
 
                 node = PipelineNode(spec, NodeOptions(reporter=reporter, **options), stage=stage)
             else:

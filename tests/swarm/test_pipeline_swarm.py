@@ -39,9 +39,9 @@ async def probe(boot: str, spec: RunSpec) -> dict[str, list[int]]:
     from hivemind.dht import DHTNode
     from hivemind.p2p import P2P, PeerID
 
+    from locomm.compression.boundary import BoundaryCoder
+    from locomm.model.stages import Geometry
     from locomm.peer.swarm import read_heartbeats, store_heartbeat
-    from locomm.pipeline.model import Geometry
-    from locomm.pipeline.wire import BoundaryCoder
 
     run = spec.hash()[:16]
     client = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -135,7 +135,7 @@ async def probe(boot: str, spec: RunSpec) -> dict[str, list[int]]:
 
 
 def test_pipeline_swarm_trains_routes_around_a_dead_replica_and_answers_bad_frames(tmp_path: Path):
-    from locomm.pipeline.swarm import run_pipeline_swarm
+    from locomm.cli.pipeline_swarm import run_pipeline_swarm
 
     spec = pipe_spec()
     boot_file = tmp_path / "boot"

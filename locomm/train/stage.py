@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from locomm.config import RunSpec
+from locomm.model.stages import Geometry, StageModule, build_stage
 from locomm.optim import build_optimizer, cosine_with_warmup
-from locomm.pipeline.model import Geometry, StageModule, build_stage
 
 
 class StageWorker:

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from locomm.compression.base import CodecError
+from locomm.compression.boundary import BoundaryCoder, NonFinite
 from locomm.config import ConfigError, RunSpec
-from locomm.pipeline.model import ConstrainedModel, Geometry, build_stages, stage_layers
-from locomm.pipeline.wire import BoundaryCoder, NonFinite
-from locomm.pipeline.worker import StageWorker
+from locomm.model.stages import ConstrainedModel, Geometry, build_stages, stage_layers
+from locomm.train.stage import StageWorker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -187,7 +187,7 @@ def test_pipeline_simulator_2x2_trains_and_syncs_replicas():
 def test_status_shows_stage_replicas():
     from rich.console import Console
 
-    from locomm.peer.status import render
+    from locomm.cli.status import render
 
     peers = [
         {
@@ -210,8 +210,8 @@ def test_status_shows_stage_replicas():
 
 
 def test_stage_auto_picks_the_stage_with_fewest_fresh_replicas():
+    from locomm.peer.stage import pick_stage
     from locomm.peer.swarm import Heartbeat
-    from locomm.pipeline.node import pick_stage
 
     def beat(peer: str, stage: int, age: float, **f) -> Heartbeat:
         return Heartbeat(peer, 0, 0, {"stage": stage, "time": 100.0 - age, **f}, 1e9)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from locomm import netlab
+from locomm.testing import netlab
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OK, WHY = netlab.available(nat=True)
 pytestmark = [pytest.mark.skipif(not OK, reason=f"netlab NAT unavailable: {WHY}"), pytest.mark.timeout(240)]
 

@@ -9,7 +9,7 @@ import re
 import pytest
 from rich.console import Console
 
-from locomm.peer.display import (
+from locomm.cli.display import (
     LiveReporter,
     NullReporter,
     PlainReporter,

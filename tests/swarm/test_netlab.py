@@ -1,4 +1,4 @@
-"""locomm.netlab: namespaces on a bridge, tbf shaping both ways, a NAT router, cleanup in every exit path.
+"""locomm.testing.netlab: namespaces on a bridge, tbf shaping both ways, a NAT router, cleanup in every exit path.
 
 Needs root and iproute2 (iptables for the NAT test); otherwise every test is skipped with the reason
 netlab.available() gives. About 15 s on 2 cores.
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from locomm import netlab
+from locomm.testing import netlab
 
 OK, WHY = netlab.available()
 NAT_OK, NAT_WHY = netlab.available(nat=True)
@@ -137,7 +137,7 @@ def test_namespaces_and_processes_gone_after_exit_and_after_exception():
 
 _CHILD = textwrap.dedent("""
     import os, sys, time
-    from locomm import netlab
+    from locomm.testing import netlab
     lab = netlab.Lab(grace_s=1.0)
     lab.open()
     h = lab.add_host("a", rate="20mbit")

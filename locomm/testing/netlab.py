@@ -55,7 +55,7 @@ process group, ``grace_s`` to exit, then SIGKILL), kills whatever is still insid
 handler (so SIGINT still raises KeyboardInterrupt; SIGTERM with no Python handler raises
 ``SystemExit(143)``). A second Ctrl-C during the grace period skips the rest of it.
 
-    from locomm import netlab
+    from locomm.testing import netlab
     ok, why = netlab.available()
     with netlab.Lab() as lab:
         a = lab.add_host("a", rate="20mbit")            # 20 Mbit/s up and down
@@ -754,7 +754,7 @@ def ping(src: Host, ip: str, timeout: float = 5.0) -> bool:
     return "ConnectionRefused" in out  # a refusal proves the host answered
 
 
-def _self_test() -> None:  # python -m locomm.netlab: build two shaped hosts and measure them
+def _self_test() -> None:  # python -m locomm.testing.netlab: build two shaped hosts and measure them
     ok, why = available(nat=True)
     if not ok:
         print(f"netlab unavailable: {why}")

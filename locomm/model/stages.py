@@ -18,7 +18,7 @@ Notable:
   stage's final two layers (they write into nothing that is sent), as node0 does.
 - :class:`ConstrainedModel` is the unsplit reference: the same modules, the same
   constraint, and the same boundary map at the same layers, in one module. A split run
-  in one process gives its loss and gradients (tests/test_pipeline.py).
+  in one process gives its loss and gradients (tests/unit/test_pipeline.py).
 - With ``subspace=False`` the boundary carries h itself (d numbers per token) and
   nothing is projected: the uncompressed pipeline that the compressed one is compared with.
 """

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("LOCOMM_IMAGE", "locomm:latest")
 START_TIMEOUT_S = 420.0
 """From `up` to 3 peers past round 3 (a clean 2-core machine: about a minute)."""

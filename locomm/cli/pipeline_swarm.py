@@ -27,8 +27,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from locomm.cli.local_swarm import STARTUP_TIMEOUT_S, _mean, _NoLive, _stop, read_events
 from locomm.config import RunSpec
-from locomm.peer.local_swarm import STARTUP_TIMEOUT_S, _mean, _NoLive, _stop, read_events
 
 
 def stage_rows(folder: Path, n: int, replicas: int) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ import torch
 from locomm.compression import get_codec
 from locomm.compression.base import Codec, CodecError
 from locomm.config import RunSpec
-from locomm.pipeline.model import FIXED_EMBED_STD, Geometry
+from locomm.model.stages import FIXED_EMBED_STD, Geometry
 
 TOKEN_DTYPE = np.uint16
 

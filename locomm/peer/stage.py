@@ -13,7 +13,7 @@ Lifecycle of ``PipelineNode.run()`` (the daemon's, with a stage instead of the w
 
 A micro-batch is one chain of nested requests: stage k's ``fwd`` handler computes
 its forward, sends z and the token window to a seeded-random live replica of stage
-k+1 (:func:`locomm.pipeline.router.route`), and the answer carries dL/dz back along
+k+1 (:func:`locomm.protocol.routing.route`), and the answer carries dL/dz back along
 the same path; the handler then runs its backward and answers its own caller with
 its input's gradient. A failed hop (dead replica, timeout, refusal) is re-routed to
 another replica, ``pipeline.reroute_attempts`` times; a micro-batch that still
@@ -38,17 +38,15 @@ from hivemind.utils import get_dht_time
 
 from locomm import __version__
 from locomm.compression.base import CodecError
+from locomm.compression.boundary import BoundaryCoder, NonFinite
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
+from locomm.model.stages import Geometry
 from locomm.peer.gossip import Faults
 from locomm.peer.node import Node, NodeOptions
 from locomm.peer.rpc import Call, Limits, Service, TransferCut, Unreachable, open_link
 from locomm.peer.state import Snapshot, fetch_state
 from locomm.peer.swarm import Heartbeat, members_for_round, store_heartbeat
-from locomm.pipeline.model import Geometry
-from locomm.pipeline.router import route
-from locomm.pipeline.wire import BoundaryCoder, NonFinite
-from locomm.pipeline.worker import StageWorker
 from locomm.protocol import build_outer
 from locomm.protocol.messages import (
     STAGE_MESSAGES,
@@ -57,6 +55,8 @@ from locomm.protocol.messages import (
     activation_header,
     validate_activation,
 )
+from locomm.protocol.routing import route
+from locomm.train.stage import StageWorker
 
 log = logging.getLogger(__name__)
 SUSPECT_S = 30.0
@@ -774,7 +774,7 @@ def _eval_mid(w: StageWorker, x: torch.Tensor, h: torch.Tensor | None) -> torch.
 
 @torch.no_grad()
 def _eval_last(w: StageWorker, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor | None) -> float:
-    from locomm.pipeline.model import StageModule  # noqa: PLC0415
+    from locomm.model.stages import StageModule  # noqa: PLC0415
 
     w.module.eval()
     loss = float(StageModule.loss(w.module(x.to(w.device), h.to(w.device)), y.to(w.device)))

@@ -59,7 +59,7 @@ def results_path(name: str | Path) -> Path:
 def parser(
     doc: str | None,
     *,
-    out: str | Path | None = None,
+    out: str | Path | None | bool = None,
     out_help: str | None = None,
     resume: bool = False,
     quick: bool = False,
@@ -72,7 +72,8 @@ def parser(
         doc: The script's module docstring (the description; shown raw, so its examples keep
             their line breaks).
         out: Default results file, relative to :data:`RESULTS`; ``None`` means ``--out`` is optional
-            and defaults to ``None`` (the script writes no file unless asked).
+            and defaults to ``None`` (the script writes no file unless asked); ``False`` means no
+            ``--out`` at all (scripts that write one file per run under a fixed folder).
         out_help: Help text for ``--out`` (a default one names the default path).
         resume: Add ``--resume`` (keep and skip the entries a previous run wrote).
         quick: Add ``--quick`` (the script's quickest settings).
@@ -83,10 +84,11 @@ def parser(
     if summary:
         desc = desc.splitlines()[0] if desc else ""
     ap = argparse.ArgumentParser(description=desc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default = results_path(out) if out is not None else None
-    if out_help is None:
-        out_help = f"Results JSON (default {_show(default)})" if default else "Also write the results JSON here"
-    ap.add_argument("--out", type=Path, default=default, help=out_help)
+    if out is not False:
+        default = results_path(out) if out is not None and out is not True else None
+        if out_help is None:
+            out_help = f"Results JSON (default {_show(default)})" if default else "Also write the results JSON here"
+        ap.add_argument("--out", type=Path, default=default, help=out_help)
     if resume:
         ap.add_argument("--resume", action="store_true", help="Keep the results already on disk and skip them")
     if quick:

@@ -21,13 +21,11 @@ worker count; an algorithm that never gets there shows "-".
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import resource
 import time
-from pathlib import Path
 
+import _harness
 import torch
 
 from locomm.config import RunSpec
@@ -35,7 +33,6 @@ from locomm.data import load_corpus
 from locomm.sim import Simulator, network_for, time_to_target
 from locomm.sim.network import flops_step_s
 
-HERE = Path(__file__).resolve().parent
 ALGOS = ["ddp", "diloco", "noloco", "gasloc", "sparseloco"]
 NETWORKS = {
     "80mbit_het": dict(link_bps=80e6, latency_s=0.030, heterogeneity=1.0),
@@ -103,12 +100,11 @@ def fmt_time(t: float) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _harness.parser(__doc__, out="algorithms.json", summary=True)
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--inner-steps", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "algorithms.json")
     ap.add_argument(
         "--no-overlap",
         action="store_true",
@@ -170,8 +166,7 @@ def main() -> None:
         f"\ntarget = DiLoCo's final val loss + 2%; "
         f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
     )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(summary, indent=1))
+    _harness.write_json(a.out, summary)
     print(f"wrote {a.out}")
 
 

@@ -31,17 +31,13 @@ from __future__ import annotations
 import argparse
 import math
 import resource
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import _harness
+import tune  # benchmarks/tune.py: the budget and the sweep's results
 
-import tune  # noqa: E402  (benchmarks/tune.py: the budget and the sweep's results)
-
-OUT = HERE / "results" / "scale"
+OUT = _harness.results_path("scale")
 SCALED_PARAMS = 125e6
 NET = dict(link_bps=80e6, latency_s=0.030, heterogeneity=1.0)
 SEED = 2
@@ -59,10 +55,6 @@ def setting(algo: str) -> tuple[dict[str, float], str]:
     if b is not None:
         return b["params"], f"best of {len(tune.sweep_results(algo))}/12 sweep points so far"
     return tune.grid(algo)[0], "documented default (no sweep on disk)"
-
-
-def write_atomic(path: Path, obj: Any) -> None:
-    tune.write_atomic(path, obj)
 
 
 def scaled_network(workers: int, k: float, step_s: float) -> Any:
@@ -134,10 +126,10 @@ def cmd_run(a: argparse.Namespace) -> None:
     for workers in a.workers:
         for name in a.runs:
             path = OUT / f"w{workers}_{name}{'' if a.rounds == tune.ROUNDS else f'_r{a.rounds}'}.json"
-            if path.exists():
+            if _harness.done(path):
                 continue
             r = run_one(name, workers, splits, a.rounds)
-            write_atomic(path, r)
+            _harness.write_json(path, r)
             print(
                 f"{name:22s} x{workers:<3d} val {r['final_val_loss']:.4f} wall {r['wall_s']:.0f} s "
                 f"util {100 * r['compute_utilisation_mean']:.0f}% skipped {r['partners_skipped']} "
@@ -224,7 +216,7 @@ def cmd_replay(a: argparse.Namespace) -> None:
     for workers in a.workers:
         for name, algo in (("noloco", "noloco"), ("diloco_sized_timeout", "diloco"), ("diloco", "diloco")):
             path = OUT / f"replay_w{workers}_{name}.json"
-            if path.exists():
+            if _harness.done(path):
                 continue
             # Bytes per push as the 64-worker run measured them (NoLoCo: lossless theta; DiLoCo: raw fp32).
             b = base.get(name)
@@ -241,7 +233,7 @@ def cmd_replay(a: argparse.Namespace) -> None:
                     "steps": b["steps"] if b else None,
                 }
             )
-            write_atomic(path, r)
+            _harness.write_json(path, r)
             print(
                 f"replay {name:22s} x{workers:<5d} wall {r['wall_s']:.0f} s util "
                 f"{100 * r['compute_utilisation_mean']:.0f}% mismatches {r['mismatches']}",
@@ -296,7 +288,7 @@ def cmd_table(a: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _harness.parser(__doc__, out=False, summary=True)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--workers", type=int, nargs="+", default=[16, 32, 64])

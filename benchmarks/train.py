@@ -9,16 +9,14 @@ its peak resident memory), prints a table and writes benchmarks/results/train.js
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import _harness
 
 
 def run(args: list[str]) -> dict:
@@ -47,7 +45,7 @@ def tiny_steps_for(seconds: float) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _harness.parser(__doc__, out="train.json", summary=True)
     ap.add_argument("--only", choices=["nano", "tiny"])
     ap.add_argument("--tiny-seconds", type=float, default=300.0)
     a = ap.parse_args()
@@ -69,8 +67,7 @@ def main() -> None:
             f"{100 * (1 - r['val_loss'] / r['unigram_nats']):9.1f}% {r['tokens_per_s']:8.0f} "
             f"{r['peak_rss_mb']:7.0f}"
         )
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "train.json").write_text(json.dumps(dict(rows), indent=2))
+    _harness.write_json(a.out, dict(rows), indent=2)
     print(json.dumps({name: r for name, r in rows}))
 
 

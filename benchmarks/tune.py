@@ -35,20 +35,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import _harness
 
-OUT = HERE / "results" / "tune"
+OUT = _harness.results_path("tune")
 WORKERS = 8
 ROUNDS = 15
 H = 20
@@ -111,10 +107,8 @@ def base_spec(seed: int) -> Any:
 
 
 def write_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    """One run's JSON, atomically and with platform metadata (benchmarks/_harness.py)."""
+    _harness.write_json(path, obj)
 
 
 def run_point(
@@ -184,8 +178,8 @@ def confirm_path(algo: str, kw: dict[str, float], seed: int) -> Path:
 
 def load(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        return _harness.read_json(path)
+    except (OSError, ValueError):
         return None
 
 
@@ -220,7 +214,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     todo = [(algo, kw) for i in range(12) for algo in a.algos for kw in [grid(algo)[i]]]
     for algo, kw in todo:
         path = sweep_path(algo, kw)
-        if path.exists():
+        if _harness.done(path):
             continue
         r = run_point(algo, kw, TUNE_SEED, splits)
         write_atomic(path, r)
@@ -233,7 +227,7 @@ def cmd_run(a: argparse.Namespace) -> None:
             continue
         for seed in CONFIRM_SEEDS:
             path = confirm_path(algo, b["params"], seed)
-            if path.exists():
+            if _harness.done(path):
                 continue
             r = run_point(algo, b["params"], seed, splits, eval_every=5)
             write_atomic(path, r)
@@ -338,7 +332,7 @@ def cmd_aggregation(a: argparse.Namespace) -> None:
                 runs.append((workers, algo, kw))
     for workers, algo, kw in runs:
         path = aggregation_path(workers, algo, kw)
-        if not path.exists():
+        if not _harness.done(path):
             write_atomic(path, run_point(algo, kw, TUNE_SEED, splits, workers=workers))
         r = load(path)
         print(
@@ -390,7 +384,7 @@ def cmd_norms(a: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _harness.parser(__doc__, out=False, summary=True)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)

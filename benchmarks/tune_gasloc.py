@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
+
+import _harness
 
 from locomm.config import RunSpec
 from locomm.data import load_corpus
 from locomm.sim import Simulator
 
-HERE = Path(__file__).resolve().parent
-
 
 def main() -> None:
+    args = _harness.parser(__doc__, out="tune_gasloc.json", summary=True).parse_args()
     spec = (
         RunSpec.preset("nano")
         .replace("data", batch_size=8, seq_len=128)
@@ -43,8 +43,7 @@ def main() -> None:
         res = sim.run(10)
         rows.append({"algo": algo, **kw, "final_val_loss": res.final_val_loss})
         print(f"{algo:7s} {json.dumps(kw):55s} val {res.final_val_loss:.4f}", flush=True)
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "tune_gasloc.json").write_text(json.dumps(rows, indent=1))
+    _harness.write_json(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ Prints a table and writes JSON. Everything it starts (2 containers, 1 network) i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+import _harness
 
 RECEIVER = r"""
 import json, socket, time
@@ -124,7 +124,7 @@ def one(image: str, net: str, tag: str, send_rate: str, recv_rate: str, nbytes: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _harness.parser(__doc__, summary=True)
     ap.add_argument("--image", default=os.environ.get("LOCOMM_IMAGE", "locomm:latest"))
     ap.add_argument("--rate", default="80mbit")
     ap.add_argument("--mb", type=float, default=64.0, help="megabytes (10^6) per transfer")
@@ -134,7 +134,6 @@ def main() -> None:
         default=["upload", "download", "both", "unshaped"],
         choices=["upload", "download", "both", "unshaped"],
     )
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.mb <= 0:
         sys.exit("--mb: must be > 0")
@@ -163,8 +162,7 @@ def main() -> None:
         docker("network", "rm", tag, check=False)
     result = {"image": args.image, "rate": args.rate, "rows": rows}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        _harness.write_json(args.out, result, indent=2)
     print(json.dumps(result))
 
 

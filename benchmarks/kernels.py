@@ -15,16 +15,14 @@ Results go to benchmarks/results/kernels_<device>.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import _harness
 import torch
 
 GPU = torch.cuda.is_available()
@@ -252,11 +250,10 @@ def interpreter_checks(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _harness.parser(__doc__, out_help="JSON path (default benchmarks/results/kernels_<device>.json)")
     ap.add_argument("--size-mb", type=float, default=256.0 if GPU else 16.0, help="bf16 tensor size for the codecs")
     ap.add_argument("--repeats", type=int, default=5 if GPU else 2)
     ap.add_argument("--preset", default="small" if GPU else "tiny")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<device>.json)")
     args = ap.parse_args()
     dev = "cuda" if GPU else "cpu"
     n = int(args.size_mb * 1e6 / 2)
@@ -278,8 +275,7 @@ def main() -> None:
         size_mb=args.size_mb,
         clock="wall" if GPU else "process CPU time",
     )
-    out = Path(args.out or Path(__file__).parent / "results" / f"kernels_{dev}.json")
-    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    out = _harness.write_json(args.out or _harness.results_path(f"kernels_{dev}.json"), dict(meta=meta, rows=rows))
     print(f"wrote {out}")
 
 

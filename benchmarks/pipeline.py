@@ -23,17 +23,16 @@ lossless coding); the token window (uint16, 2 bytes per token) is counted forwar
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import _harness
 import torch
 
 from locomm.config import RunSpec
 
-HERE = Path(__file__).resolve().parent
 CODEC = "subspace+bf16+lossless"
 
 
@@ -120,22 +119,21 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _harness.parser(__doc__, out="pipeline.json")
     ap.add_argument("--runs", nargs="*", default=["tiny32", "tiny32_plain", "tiny_unsplit"])
     ap.add_argument("--steps", type=int, default=311)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--wide-layers", type=int, default=4, help="layers of the d=512 model")
-    ap.add_argument("--out", type=Path)
     ap.add_argument("--merge", nargs="*", type=Path, help="Merge per-run JSON files into one table")
     args = ap.parse_args()
     if args.merge:
-        results = [r for p in args.merge for r in json.loads(p.read_text())["results"]]
-        train_json = HERE / "results" / "train.json"
+        results = [r for p in args.merge for r in _harness.read_json(p)["results"]]
+        train_json = _harness.results_path("train.json")
         if not any(r["run"] == "tiny_unsplit" for r in results) and train_json.exists():
             # The single-node figure of benchmarks/train.py: `locomm-peer train --preset tiny --steps 311`,
             # the same spec, steps, batches and validation windows as tiny_unsplit here.
-            t = json.loads(train_json.read_text()).get("tiny", {})
+            t = _harness.read_json(train_json).get("tiny", {})
             if t.get("steps") == args.steps:
                 results.append(
                     {
@@ -152,8 +150,7 @@ def main() -> None:
         order = ["tiny32", "tiny32_free", "tiny32_plain", "tiny_unsplit", "wide100", "wide100_plain", "wide_unsplit"]
         results.sort(key=lambda r: order.index(r["run"]) if r["run"] in order else 99)
         print(table(results))
-        out = args.out or HERE / "results" / "pipeline.json"
-        out.write_text(json.dumps({"results": results, "table": table(results)}, indent=1) + "\n")
+        _harness.write_json(args.out, {"results": results, "table": table(results)})
         return
     torch.set_num_threads(args.threads)
     results = []
@@ -162,9 +159,7 @@ def main() -> None:
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
     print(table(results))
-    out = args.out or HERE / "results" / "pipeline.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"steps": args.steps, "stages": args.stages, "results": results}, indent=1) + "\n")
+    _harness.write_json(args.out, {"steps": args.steps, "stages": args.stages, "results": results})
 
 
 if __name__ == "__main__":

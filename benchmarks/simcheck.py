@@ -20,20 +20,16 @@ rounds 2+, e.g. the unshaped run, where the network plays no part.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import _harness
 
-from locomm.config import RunSpec  # noqa: E402
-from locomm.sim.network import NetworkModel, RoundRecord  # noqa: E402
-from locomm.sim.timeline import Deadlines, Schedule  # noqa: E402
+from locomm.config import RunSpec
+from locomm.sim.network import NetworkModel, RoundRecord
+from locomm.sim.timeline import Deadlines, Schedule
 
 LATENCY_S = 0.0005
 """One-way latency on the lab's bridge (veth pairs, no delay configured)."""
@@ -65,7 +61,7 @@ def check(path: Path, goodput: float, overhead_s: float = 0.0) -> dict[str, Any]
     compute = [[ev[w][r]["compute_s"] for w in range(n)] for r in range(rounds)]
     push = run["totals"]["bytes_per_ok_exchange"]
     raw = 4.0 * run["params"]  # theta in fp32, the codec's raw_bytes (the ETA's size)
-    spec = RunSpec.load(HERE.parent / run["config"]) if (HERE.parent / run["config"]).exists() else RunSpec()
+    spec = RunSpec.load(_harness.REPO / run["config"]) if (_harness.REPO / run["config"]).exists() else RunSpec()
     overlap = True
     sched = Schedule(
         net,
@@ -126,7 +122,7 @@ def check(path: Path, goodput: float, overhead_s: float = 0.0) -> dict[str, Any]
     ]
     end = [row["sim_end_s"] / row["real_end_s"] - 1 for row in rows]
     return {
-        "file": str(path.relative_to(HERE.parent)),
+        "file": str(path.relative_to(_harness.REPO)),
         "rate": run["rate"],
         "peers": n,
         "rounds": rounds,
@@ -145,11 +141,10 @@ def check(path: Path, goodput: float, overhead_s: float = 0.0) -> dict[str, Any]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _harness.parser(__doc__, summary=True)
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--goodput", type=float, default=1.0)
     ap.add_argument("--overhead-from", type=Path)
-    ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     overhead = measured_overhead(a.overhead_from) if a.overhead_from else 0.0
     if a.overhead_from:
@@ -174,10 +169,7 @@ def main() -> None:
             f"skipped {c['skipped']}, cut {c['cut']}"
         )
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = a.out.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(out, indent=1))
-        os.replace(tmp, a.out)
+        _harness.write_json(a.out, out)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from locomm.protocol.messages import (
     transfer_fields,
     validate_transfer,
 )
+from locomm.protocol.timing import ema
 
 log = logging.getLogger(__name__)
 
@@ -423,7 +424,7 @@ class Gossip:
         if outcome == ErrorCode.OK:
             dt = max(1e-3, time.monotonic() - t0)
             rate = sent / dt
-            self.stats.up_Bps = rate if self.stats.up_Bps == 0 else 0.7 * self.stats.up_Bps + 0.3 * rate
+            self.stats.up_Bps = ema(self.stats.up_Bps, rate)
         return outcome, delivered
 
     async def pull(self, peer: str, round_idx: int) -> bool:

@@ -55,6 +55,7 @@ from locomm.protocol.messages import (
     response_header,
     validate_header,
 )
+from locomm.protocol.timing import Limits
 
 log = logging.getLogger(__name__)
 IO_CHUNK = 1 << 18
@@ -63,29 +64,6 @@ IO_CHUNK = 1 << 18
 
 class TransferCut(Exception):
     """A transfer stalled, ran past its deadline, or fell below the floor rate (not a fault)."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    request_timeout_s: float = 30.0
-    stall_timeout_s: float = 20.0
-    min_rate_Bps: float = 10e6 / 8
-    rate_window_s: float = 30.0
-    max_streams_per_peer: int = 16
-
-    @classmethod
-    def from_network(cls, cfg: Any) -> Limits:
-        return cls(
-            request_timeout_s=cfg.request_timeout_s,
-            stall_timeout_s=cfg.stall_timeout_s,
-            min_rate_Bps=cfg.min_rate_mbit * 1e6 / 8,
-            rate_window_s=cfg.rate_window_s,
-            max_streams_per_peer=cfg.max_streams_per_peer,
-        )
-
-    def deadline_s(self, nbytes: int, streams: int = 1) -> float:
-        """How long ``nbytes`` may take on one of ``streams`` parallel streams at the floor rate."""
-        return self.request_timeout_s + nbytes * max(1, streams) / self.min_rate_Bps
 
 
 @dataclass

@@ -1,0 +1,141 @@
+"""The round schedule both transports follow: plan, the copy that was sent, and when the outer update lands.
+
+Sans-IO: tensors and an outer algorithm in, tensors out; the transport moves the payloads.
+One round of one worker (``peer/node.py``, ``peer/stage.py``, ``sim/simulator.py``,
+``sim/pipeline.py``):
+
+    planned = plan(algo, r, members, params)     # theta_sent: a copy of the weights, and the payload
+    ... the transport exchanges planned.exchange.payload with planned.exchange.peers ...
+    apply_late(algo, r, params, planned.sent, received)
+
+Overlapped (the default): the exchange runs while the next round's inner steps compute,
+and is applied one round late, keeping the local progress made meanwhile:
+
+    theta <- phi_new + (theta_now - theta_sent),  phi_new = the outer update of theta_sent
+
+computed as ``theta_now + (outer(theta_sent) - theta_sent)``, in that order (both transports
+must round the same way). It is applied ``apply_step(H, apply_delay_steps)`` inner steps
+into the next round (H: at its end, just before that round's plan), so the numerics do
+not depend on how fast the network was as long as an exchange takes no longer than that.
+Blocking (``--no-overlap``): the transport waits for the exchange and applies it at once,
+with the same arithmetic (no local progress was made).
+
+A partner's payload of round r is taken while the receiver has opened round r - 1, r
+or r + 1 (``RECEIVE_WINDOW``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from locomm.protocol.base import Exchange, OuterAlgorithm, Params, Payload
+
+RECEIVE_WINDOW = 1
+"""A receiver in round c takes payloads of rounds c - 1 .. c + 1."""
+
+
+def snapshot(params: Params) -> dict[str, torch.Tensor]:
+    """The copy of the weights a round sends (theta_sent), detached from the live model."""
+    return {k: p.detach().clone() for k, p in params.items()}
+
+
+@dataclass
+class Planned:
+    """One round's plan: what goes out, and the weights it was computed from."""
+
+    round_idx: int
+    exchange: Exchange
+    sent: dict[str, torch.Tensor]
+    """theta_sent: the weights when the round was planned."""
+
+    def received(self, me: object, got: Mapping[object, Payload]) -> dict[object, Payload]:
+        """What the outer rule takes: our own payload (it never crosses the wire) and whoever answered."""
+        return {me: self.exchange.payload, **got}
+
+
+def plan(algo: OuterAlgorithm, round_idx: int, members: Sequence, params: Params) -> Planned:
+    """Snapshot the weights, then let the algorithm plan the round from them."""
+    sent = snapshot(params)
+    return Planned(round_idx, algo.plan(round_idx, members, params), sent)
+
+
+def apply_late(
+    algo: OuterAlgorithm,
+    round_idx: int,
+    params: Params,
+    sent: Mapping[str, torch.Tensor],
+    received: Mapping,
+) -> None:
+    """The outer update of the weights that were sent, with the local progress made since kept on top:
+    theta <- theta_now + (outer(theta_sent) - theta_sent), in place."""
+    target = {k: v.clone() for k, v in sent.items()}
+    algo.apply(round_idx, target, received)
+    with torch.no_grad():
+        for k, p in params.items():
+            p.add_(target[k] - sent[k])
+
+
+def apply_blocking(algo: OuterAlgorithm, planned: Planned, params: Params, received: Mapping) -> None:
+    """The blocking variant: the exchange was waited for before any further step (``params`` still hold
+    ``planned.sent``); the same arithmetic as ``apply_late``, so both schedules round alike."""
+    apply_late(algo, planned.round_idx, params, planned.sent, received)
+
+
+def apply_step(inner_steps: int, apply_delay_steps: int = 0) -> int:
+    """Inner steps into a round at which the previous round's exchange is applied (``inner_steps``: at the
+    round's end, before its plan)."""
+    return apply_delay_steps if 0 < apply_delay_steps < inner_steps else inner_steps
+
+
+def in_window(round_idx: int, current_round: int) -> bool:
+    """Whether a receiver that has opened ``current_round`` takes a payload of ``round_idx``."""
+    return abs(round_idx - current_round) <= RECEIVE_WINDOW
+
+
+class Rounds:
+    """One worker's round schedule: at most one exchange pending, applied one round late (or at once).
+
+    The transport calls ``due(i)`` before inner step i of a round and ``settle`` when it is; at the end
+    of the round's steps ``settle`` again (a no-op when already applied), then ``start`` the next
+    round; in blocking mode the transport exchanges and settles right after ``start``.
+    """
+
+    def __init__(
+        self, algo: OuterAlgorithm, inner_steps: int, *, overlap: bool = True, apply_delay_steps: int = 0
+    ) -> None:
+        self.algo = algo
+        self.overlap = overlap
+        self.at = apply_step(inner_steps, apply_delay_steps if overlap else 0)
+        self.pending: Planned | None = None
+        self.received: Mapping | None = None
+
+    def start(self, round_idx: int, members: Sequence, params: Params) -> Planned:
+        """Plan round ``round_idx`` (the previous one must be settled first)."""
+        if self.pending is not None:
+            raise RuntimeError(f"round {self.pending.round_idx} is still pending; settle it first")
+        self.pending = plan(self.algo, round_idx, members, params)
+        self.received = None
+        return self.pending
+
+    def arrived(self, received: Mapping) -> None:
+        """The exchange is over: this is what the outer rule takes (own payload included)."""
+        self.received = received
+
+    def due(self, step_in_round: int) -> bool:
+        """Whether the pending exchange is applied before inner step ``step_in_round`` of this round."""
+        return self.pending is not None and step_in_round == self.at
+
+    def settle(self, params: Params, received: Mapping | None = None) -> int | None:
+        """Apply the pending exchange (``received``, or what ``arrived`` recorded); returns its round."""
+        if self.pending is None:
+            return None
+        planned, self.pending = self.pending, None
+        got = received if received is not None else self.received
+        self.received = None
+        if got is None:
+            raise RuntimeError(f"round {planned.round_idx}: settled before its exchange arrived")
+        apply_late(self.algo, planned.round_idx, params, planned.sent, got)
+        return planned.round_idx

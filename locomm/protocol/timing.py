@@ -1,0 +1,150 @@
+"""The waiting rules both transports follow: one ``Limits``, the partner ETA and the EMAs.
+
+Sans-IO: no clock is read here. Every function takes the time it needs (``now``) and
+answers in the same clock, so the daemon passes ``time.time()`` and the simulator its
+virtual time, and both get the same decision from the same numbers.
+
+Notable:
+- ``Limits`` holds the byte-sized deadlines of ``[network]`` (``config.NetworkConfig``).
+  A transfer is cut off when it stalls (no byte for ``stall_timeout_s``), when it runs
+  past its declared size at the floor rate (``deadline_s``), or when, over any
+  ``rate_window_s`` of waiting, it moved less than the floor. The RPC layer
+  (``peer/rpc.py``), the fluid flow model (``sim/flows.py``) and the simulator's
+  timeline (``sim/timeline.py``) all read this one class. ``Limits.never()`` waits
+  forever (a simulator without deadlines).
+- ``partner_eta``: when a partner's payload of round r should have arrived, from what
+  its heartbeat says (its round, when that round's compute began, its round time, its
+  upload rate, its number of partners):
+      ready  = now                               if it has sent round r already
+             = round_t0 + (r - round + 1) * round_s   otherwise
+      arrive = max(ready, now) + wire_bytes * partners / up_Bps
+      eta    = arrive + stall_timeout_s + round_s / 4     (slack: a stall, compute jitter)
+  A worker waits for it until ``min(start + max_wait_s, eta)`` (``wait_deadline``), and
+  for as long as its transfer is moving.
+- ``ema``: the heartbeat's round time and upload rate are ``0.7 * old + 0.3 * new``
+  (the first sample taken as is).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+EMA_KEEP = 0.7
+"""Weight of the old value in the round-time and upload-rate averages."""
+ETA_JITTER_ROUNDS = 0.25
+"""Slack in a partner's ETA for jitter in its compute, in rounds of its own."""
+MIN_OWN_ROUND_S = 1.0
+"""A partner that published no round time is assumed to take our own, at least this long."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The deadlines of every transfer and every wait on a peer (``[network]`` of the run spec)."""
+
+    request_timeout_s: float = 30.0
+    """Bound on a small request; also the slack on top of a transfer's size deadline."""
+    stall_timeout_s: float = 20.0
+    """A transfer with no byte moved for this long is cut off."""
+    min_rate_Bps: float = 10e6 / 8
+    """Floor rate of a transfer, bytes/s (0: no floor, no size deadline)."""
+    rate_window_s: float = 30.0
+    """Over any window this long a transfer must move ``min_rate_Bps * rate_window_s`` bytes."""
+    max_streams_per_peer: int = 16
+    """Open streams one remote peer may hold at once."""
+    max_wait_s: float = 600.0
+    """The most a worker waits for a partner's payload, whatever the partner's ETA says."""
+
+    @classmethod
+    def from_network(cls, cfg: Any) -> Limits:
+        """The limits a run spec's ``[network]`` section (``config.NetworkConfig``) sets."""
+        return cls(
+            request_timeout_s=cfg.request_timeout_s,
+            stall_timeout_s=cfg.stall_timeout_s,
+            min_rate_Bps=cfg.min_rate_mbit * 1e6 / 8,
+            rate_window_s=cfg.rate_window_s,
+            max_streams_per_peer=cfg.max_streams_per_peer,
+            max_wait_s=cfg.max_wait_s,
+        )
+
+    from_config = from_network  # the simulator's old name (benchmarks/ call it)
+
+    @classmethod
+    def never(cls) -> Limits:
+        """No deadline at all: every transfer completes, every wait lasts (a simulator without limits)."""
+        inf = math.inf
+        return cls(
+            request_timeout_s=inf,
+            stall_timeout_s=inf,
+            min_rate_Bps=0.0,
+            rate_window_s=inf,
+            max_streams_per_peer=2**31 - 1,
+            max_wait_s=inf,
+        )
+
+    def deadline_s(self, nbytes: float, streams: int = 1) -> float:
+        """How long ``nbytes`` may take on one of ``streams`` parallel streams at the floor rate."""
+        if self.min_rate_Bps <= 0:
+            return math.inf
+        return self.request_timeout_s + nbytes * max(1, streams) / self.min_rate_Bps
+
+    def allreduce_deadline_s(self, payload_bytes: float) -> float:
+        """Deadline of a butterfly all-reduce of ``payload_bytes`` per member: each member sends and
+        receives 2 S (N - 1) / N < 2 S bytes, at no less than the floor rate."""
+        return self.deadline_s(2 * payload_bytes)
+
+
+def ema(old: float, new: float, keep: float = EMA_KEEP) -> float:
+    """``keep * old + (1 - keep) * new``; the first sample (``old == 0``) is taken as is."""
+    return new if old == 0 else keep * old + (1 - keep) * new
+
+
+def partner_eta(
+    *,
+    round_idx: int,
+    partner_round: int | None,
+    round_t0: float | None,
+    round_s: float | None,
+    up_Bps: float | None,
+    partners: int | None,
+    own_round_s: float,
+    wire_bytes: float,
+    limits: Limits,
+    now: float,
+) -> float:
+    """The time (``now``'s clock) by which a partner's payload of ``round_idx`` should be here.
+
+    Args:
+        round_idx: the round whose payload we wait for.
+        partner_round: the round counter of the partner's last heartbeat (it counts one past a round once it
+            has planned, and so sent, that round); None: no heartbeat seen (taken as computing ``round_idx``).
+        round_t0: when the partner's current round's compute began (None or 0: ``now``).
+        round_s: the partner's average round time (None or 0: ours, at least ``MIN_OWN_ROUND_S``).
+        up_Bps: the partner's measured upload rate (None or 0: the floor rate; no floor: no upload time).
+        partners: to how many partners the partner sends (None or < 1: one).
+        own_round_s: our own average round time.
+        wire_bytes: the payload's size before coding (the upper bound the receiver knows).
+        limits: the run's limits (the stall timeout is part of the slack).
+        now: the present, in the clock of ``round_t0`` and of the answer.
+    """
+    own = max(own_round_s, MIN_OWN_ROUND_S)
+    round_s = float(round_s or own)
+    t0 = float(round_t0 or now)
+    up = float(up_Bps or 0.0) or limits.min_rate_Bps or math.inf
+    fan_out = max(1, int(partners or 1))
+    rounds_to_go = round_idx - partner_round + 1 if partner_round is not None else 1
+    ready = now if rounds_to_go <= 0 else t0 + rounds_to_go * round_s
+    arrive = max(ready, now) + wire_bytes * fan_out / up
+    return arrive + limits.stall_timeout_s + ETA_JITTER_ROUNDS * round_s
+
+
+def wait_deadline(start: float, eta: float, limits: Limits) -> float:
+    """Until when a worker that began waiting at ``start`` waits for a payload due at ``eta``."""
+    return min(start + limits.max_wait_s, eta)
+
+
+def sibling_wait_s(round_s: float, limits: Limits) -> float:
+    """How long a pipeline stage replica waits for its siblings' replica-sync payloads: they step at nearly
+    its own rate, so a payload is due within about two rounds and a stall timeout."""
+    return min(limits.max_wait_s, limits.stall_timeout_s + 2 * round_s)

@@ -1,19 +1,23 @@
-"""`locomm-peer swarm`: N real peer processes on loopback, a live table, a clean stop, a summary.
+"""`locomm-peer swarm [--pipeline SxR]`: real peer processes on loopback, a live table, a clean stop, a summary.
 
-Each peer is a `locomm-peer join` process in its own process group (so its p2pd
-child goes with it), writing JSON-lines events to a temporary folder that this
-launcher tails for the live table. The first peer starts the swarm; the others
-join through its multiaddr, all with the same run spec file (so each verifies the
-swarm's spec hash). On Ctrl-C every peer gets SIGINT (they finish the step,
-checkpoint and shut P2P down), then anything left is killed; the temporary
-folder is removed either way.
+Each peer is a `locomm-peer join` process in its own process group (so its p2pd child goes with it),
+writing JSON-lines events to a temporary folder that this launcher tails for the live table
+(:mod:`locomm.cli.swarm_view` reads it). The first peer starts the swarm; the others join through its
+multiaddr, all with the same run spec file (so each verifies the swarm's spec hash). Two modes share
+the machinery (:class:`PeerGroup`):
+
+- data-parallel (:func:`run_swarm`): N peers train ``rounds`` outer rounds on shards ``i/N``;
+- pipeline (:func:`run_pipeline_swarm`): S stages x R replicas (``join --stage K``); stage-0 replicas
+  train ``train.steps`` optimizer steps, the other stages serve until every stage-0 replica has finished.
+  A stage-1 replica can be killed at a step and a ``--stage auto`` joiner started at another (resilience).
+
+On Ctrl-C every peer gets SIGINT (they finish the step, checkpoint and shut P2P down), then anything left
+is killed; the temporary folder is removed either way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import shutil
 import signal
@@ -22,80 +26,47 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.live import Live
-from rich.table import Table
 
+from locomm.cli.swarm_view import (
+    live_table,
+    max_weight_distance,
+    peer_rows,
+    peer_table,
+    pipeline_summary,
+    read_events,
+    stage_rows,
+    stage_table,
+    swarm_summary,
+    timeline_stats,
+    write_swarm_plot,
+)
 from locomm.config import RunSpec
 
+__all__ = [
+    "STARTUP_TIMEOUT_S",
+    "PeerGroup",
+    "max_weight_distance",
+    "peer_rows",
+    "read_events",
+    "run_pipeline_swarm",
+    "run_swarm",
+    "stage_rows",
+    "table",
+    "timeline_stats",
+    "write_swarm_plot",
+]
+
 STARTUP_TIMEOUT_S = 90.0
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            e = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written, or a killed writer's last one
-        if isinstance(e, dict):
-            out.append(e)
-    return out
-
-
-def peer_rows(folder: Path, n: int) -> list[dict[str, Any]]:
-    rows = []
-    for i in range(n):
-        ev = read_events(folder / f"peer{i}.jsonl")
-        last_round = next((e for e in reversed(ev) if e["event"] == "round"), {})
-        started = next((e for e in ev if e["event"] == "started"), {})
-        finished = next((e for e in ev if e["event"] == "finished"), None)
-        rows.append(
-            {
-                "peer": i,
-                "id": started.get("peer", "")[-8:],
-                "round": last_round.get("round", 0),
-                "loss": last_round.get("loss"),
-                "val_loss": last_round.get("val_loss"),
-                "tokens_per_s": last_round.get("tokens_per_s"),
-                "bytes_sent": last_round.get("bytes_sent", 0),
-                "answered": last_round.get("answered"),
-                "state": "done" if finished else ("training" if started else "starting"),
-                "events": ev,
-            }
-        )
-    return rows
-
-
-def table(rows: list[dict[str, Any]], rounds: int) -> Table:
-    t = Table(title=f"locomm swarm: {len(rows)} peers, {rounds} rounds")
-    for col in ("peer", "id", "state", "round", "loss", "val", "tok/s", "MB sent", "got"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(
-            str(r["peer"]),
-            r["id"],
-            r["state"],
-            f"{r['round']}/{rounds}",
-            _f(r["loss"]),
-            _f(r["val_loss"]),
-            _f(r["tokens_per_s"], "{:,.0f}"),
-            f"{r['bytes_sent'] / 1e6:.1f}",
-            str(r["answered"] or "-"),
-        )
-    return t
-
-
-def _f(x: Any, fmt: str = "{:.3f}") -> str:
-    return fmt.format(x) if isinstance(x, (int, float)) else "-"
+table = peer_table  # the data-parallel table, under its earlier name
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGINT to every peer's group, ``grace_s`` to exit, then SIGKILL to whatever is left in each group."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -106,23 +77,124 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    for p in procs:  # whatever is left in each group (a peer that hung, its p2pd)
+    for p in procs:  # a peer that hung, its p2pd
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=5)
 
 
-def max_weight_distance(files: list[Path]) -> float:
-    import torch  # noqa: PLC0415
-    from safetensors.torch import load_file  # noqa: PLC0415
+@contextlib.contextmanager
+def _scratch(prefix: str) -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
-    flats = []
-    for f in files:
-        if f.exists():
-            w = load_file(str(f))
-            flats.append(torch.cat([w[k].flatten() for k in sorted(w)]))
-    return max((float((a - b).norm()) for i, a in enumerate(flats) for b in flats[i + 1 :]), default=float("nan"))
+
+class PeerGroup:
+    """The `locomm-peer join` processes of one local swarm, logging to ``folder``; a context manager that
+    stops them all on exit (SIGINT, ``grace_s``, SIGKILL) and restores the signal handlers it installed.
+
+    Ctrl-C (or SIGTERM) only sets :attr:`stop_requested`, which every wait checks: a KeyboardInterrupt
+    raised at an arbitrary point could leave a peer started but not yet in :attr:`procs` (never stopped),
+    or interrupt rich's Live while it holds its lock (its refresh thread then never ends and the launcher
+    hangs). Handlers are installed from the main thread only (a test may run the launcher in a thread).
+
+    ``spawn(i, argv, **popen_kw)`` starts peer ``i`` (default: a local process in its own session; the
+    link bench starts each in its network namespace). ``size`` peers share the machine's cores.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        spec: RunSpec,
+        *,
+        size: int,
+        grace_s: float,
+        spawn: Callable[..., subprocess.Popen] | None = None,
+    ) -> None:
+        self.folder = folder
+        self.spec_path = folder / "run.toml"
+        spec.save(self.spec_path)
+        self.size = size
+        self.grace_s = grace_s
+        self.spawn = spawn
+        self.procs: list[subprocess.Popen] = []
+        self.stop_requested = threading.Event()
+        self._errs: list[Any] = []
+        self._old_handlers: dict[int, Any] = {}
+
+    def __enter__(self) -> PeerGroup:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old_handlers[sig] = signal.signal(sig, lambda *_: self.stop_requested.set())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            _stop(self.procs, grace_s=self.grace_s)
+        finally:
+            for e in self._errs:
+                e.close()
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_requested.is_set()
+
+    def wait(self, seconds: float) -> None:
+        """Sleep, waking at once on Ctrl-C."""
+        self.stop_requested.wait(seconds)
+
+    def start(self, args: Sequence[str]) -> subprocess.Popen:
+        """Start the next peer (index ``len(procs)``) with the shared spec, its log, and ``args``."""
+        i = len(self.procs)
+        cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(self.spec_path)]
+        cmd += ["--log-file", str(self.folder / f"peer{i}.jsonl"), *args]
+        err = open(self.folder / f"peer{i}.err", "w")  # noqa: SIM115 - closed on exit
+        self._errs.append(err)
+        # Share the cores instead of every peer's torch grabbing all of them.
+        threads = str(max(1, (os.cpu_count() or 1) // self.size))
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        kw: dict[str, Any] = dict(stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, env=env)
+        p = self.spawn(i, cmd, **kw) if self.spawn is not None else subprocess.Popen(cmd, start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def address(self, i: int) -> str | None:
+        """Peer ``i``'s first announced multiaddr, once it has written one."""
+        f = self.folder / f"peer{i}.addr"
+        text = f.read_text().strip() if f.exists() else ""
+        return text.split()[0] if text else None
+
+    def wait_for_first(self) -> str:
+        """Peer 0's multiaddr once it is up ("" on Ctrl-C); raises if it exits or is not up in time."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while (addr := self.address(0)) is None and not self.stopping:
+            if self.procs[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the first peer did not start:\n" + self.stderr(0, 2000))
+            self.wait(0.1)
+        return addr or ""
+
+    def running(self, only: Sequence[int] | None = None) -> bool:
+        """Whether any peer (of the indices ``only``, of those started) is still running."""
+        procs = self.procs if only is None else [self.procs[i] for i in only if i < len(self.procs)]
+        return any(p.poll() is None for p in procs)
+
+    def stderr(self, i: int, tail: int) -> str:
+        return (self.folder / f"peer{i}.err").read_text()[-tail:]
+
+    def failed(self, console: Console, *, interrupted: bool, exclude: Sequence[int] = ()) -> list[int]:
+        """Peers that exited with an error (none after Ctrl-C), each reported with its stderr's tail."""
+        if interrupted:
+            return []
+        out = [i for i, p in enumerate(self.procs) if p.returncode not in (0, None) and i not in exclude]
+        for i in out:
+            console.print(f"[red]peer {i} exited with {self.procs[i].returncode}:[/]\n" + self.stderr(i, 1500))
+        return out
 
 
 def run_swarm(
@@ -135,173 +207,141 @@ def run_swarm(
     keep: Path | None = None,
     peer_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    """Run ``peers`` data-parallel peers for ``rounds`` outer rounds; the summary of what they report."""
     console = Console(stderr=True)
-    folder = Path(tempfile.mkdtemp(prefix="locomm-swarm-"))
-    spec_path = folder / "run.toml"
-    spec.save(spec_path)
-    procs: list[subprocess.Popen] = []
-    errs = []
-    interrupted = False
     t0 = time.perf_counter()
+    with _scratch("locomm-swarm-") as folder:
+        group = PeerGroup(folder, spec, size=peers, grace_s=20.0)
 
-    def launch(i: int, initial: str | None) -> subprocess.Popen:
-        cmd = [
-            sys.executable,
-            "-m",
-            "locomm.cli.main",
-            "join",
-            "--config",
-            str(spec_path),
-            "--until-round",
-            str(rounds),
-            "--log-file",
-            str(folder / f"peer{i}.jsonl"),
-            "--final-weights",
-            str(folder / f"peer{i}.safetensors"),
-            "--shard",
-            f"{i}/{peers}",
-            "--checkpoint-dir",
-            str(folder / f"ckpt{i}"),
-            "--wait-for-peers",
-            str(peers),
-            *peer_args,
-        ]
-        if initial:
-            cmd += ["--initial-peers", initial]
-        else:
-            cmd += ["--announce-file", str(folder / "peer0.addr")]
-        err = open(folder / f"peer{i}.err", "w")  # noqa: SIM115 - closed below
-        errs.append(err)
-        # Share the cores instead of every peer's torch grabbing all of them.
-        threads = str(max(1, (os.cpu_count() or 1) // peers))
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        return subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True, env=env
-        )
+        def args(i: int) -> list[str]:
+            return [
+                *("--until-round", str(rounds), "--final-weights", str(folder / f"peer{i}.safetensors")),
+                *("--shard", f"{i}/{peers}", "--checkpoint-dir", str(folder / f"ckpt{i}")),
+                *("--wait-for-peers", str(peers), *peer_args),
+            ]
 
-    # Ctrl-C (or SIGTERM) only sets a flag that every wait below checks: a KeyboardInterrupt raised at an
-    # arbitrary point could leave a peer started but not yet in ``procs`` (never stopped), or interrupt
-    # rich's Live while it holds its lock (its refresh thread then never ends and the launcher hangs).
-    stop_requested = threading.Event()
-    old_handlers = {sig: signal.signal(sig, lambda *_: stop_requested.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        procs.append(launch(0, None))
-        addr_file = folder / "peer0.addr"
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while (not addr_file.exists() or not addr_file.read_text().strip()) and not stop_requested.is_set():
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the first peer did not start:\n" + (folder / "peer0.err").read_text()[-2000:])
-            stop_requested.wait(0.1)
-        if not stop_requested.is_set():
-            bootstrap = addr_file.read_text().split()[0]
+        with group:
+            group.start([*args(0), "--announce-file", str(folder / "peer0.addr")])
+            bootstrap = group.wait_for_first()
             for i in range(1, peers):
-                if stop_requested.is_set():
+                if group.stopping:
                     break
-                procs.append(launch(i, bootstrap))
-        if not stop_requested.is_set():
-            with (
-                Live(table(peer_rows(folder, peers), rounds), console=console, refresh_per_second=2, transient=False)
-                if not quiet
-                else _NoLive() as live
-            ):
-                while any(p.poll() is None for p in procs) and not stop_requested.is_set():
-                    live.update(table(peer_rows(folder, peers), rounds))
-                    stop_requested.wait(0.5)
-                live.update(table(peer_rows(folder, peers), rounds))
-        if stop_requested.is_set():
-            interrupted = True
-            console.print("stopping the swarm (Ctrl-C)...")
-    finally:
-        _stop(procs, grace_s=20.0)
-        for e in errs:
-            e.close()
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
-    try:
+                group.start([*args(i), "--initial-peers", bootstrap])
+            if not group.stopping:
+                with live_table(peer_table(peer_rows(folder, peers), rounds), console, quiet) as live:
+                    while group.running() and not group.stopping:
+                        live.update(peer_table(peer_rows(folder, peers), rounds))
+                        group.wait(0.5)
+                    live.update(peer_table(peer_rows(folder, peers), rounds))
+            interrupted = group.stopping
+            if interrupted:
+                console.print("stopping the swarm (Ctrl-C)...")
         rows = peer_rows(folder, peers)
-        failed = [i for i, p in enumerate(procs) if p.returncode not in (0, None) and not interrupted]
-        for i in failed:
-            console.print(
-                f"[red]peer {i} exited with {procs[i].returncode}:[/]\n" + (folder / f"peer{i}.err").read_text()[-1500:]
-            )
-        finals = [next((e for e in r["events"] if e["event"] == "finished"), None) for r in rows]
-        done = [f for f in finals if f]
-        summary = {
-            "peers": peers,
-            "rounds": rounds,
-            "rounds_completed": min((f["rounds_completed"] for f in done), default=0)
-            if len(done) == peers
-            else min((r["round"] for r in rows), default=0),
-            "initial_loss": _mean([f["initial_loss"] for f in done]),
-            "final_loss": _mean([f["final_loss"] for f in done]),
-            "bytes_sent": sum(f["bytes_sent"] for f in done),
-            "max_weight_distance": max_weight_distance([folder / f"peer{i}.safetensors" for i in range(peers)]),
-            "wait_fraction": _mean([f["wait_s"] / max(1e-9, _wall(r["events"])) for f, r in zip(finals, rows) if f]),
-            "first_heartbeat_s": max((f["first_heartbeat_s"] for f in done), default=None),
-            "wall_s": time.perf_counter() - t0,
-            "interrupted": interrupted,
-            "failed_peers": failed,
-        }
+        failed = group.failed(console, interrupted=interrupted)
+        summary = swarm_summary(folder, rows, peers=peers, rounds=rounds)
+        summary.update(wall_s=time.perf_counter() - t0, interrupted=interrupted, failed_peers=failed)
         if plot is not None:
             write_swarm_plot(plot, rows)
             summary["plot"] = str(plot)
         if keep is not None:
             shutil.copytree(folder, keep, dirs_exist_ok=True)
-        if not quiet:
-            console.print()
-            console.print(
-                f"swarm: {summary['rounds_completed']}/{rounds} rounds, loss {summary['initial_loss']:.3f} -> "
-                f"{summary['final_loss']:.3f}, {summary['bytes_sent'] / 1e6:.1f} MB sent, "
-                f"max weight distance {summary['max_weight_distance']:.4f}" + (f", plot {plot}" if plot else "")
+    if not quiet:
+        console.print()
+        console.print(
+            f"swarm: {summary['rounds_completed']}/{rounds} rounds, loss {summary['initial_loss']:.3f} -> "
+            f"{summary['final_loss']:.3f}, {summary['bytes_sent'] / 1e6:.1f} MB sent, "
+            f"max weight distance {summary['max_weight_distance']:.4f}" + (f", plot {plot}" if plot else "")
+        )
+    return summary
+
+
+def run_pipeline_swarm(
+    spec: RunSpec,
+    *,
+    stages: int,
+    replicas: int,
+    quiet: bool,
+    keep: Path | None = None,
+    kill_at_step: int | None = None,
+    join_auto_at_step: int | None = None,
+    bootstrap_file: Path | None = None,
+    peer_args: tuple[str, ...] = (),
+    spawn: Callable[..., subprocess.Popen] | None = None,
+    host_maddr: Callable[[int], str] | None = None,
+) -> dict[str, Any]:
+    """Run S x R peers to the end of ``spec.train.steps``; optionally kill one stage-1 replica at a step
+    and start a ``--stage auto`` joiner at another (resilience). ``bootstrap_file`` receives the first
+    peer's multiaddr once it is up (for a test or a `status` call beside the run).
+
+    ``spawn(i, argv, **popen_kw)`` starts peer ``i`` (default: a local process in its own session; the
+    link bench starts each in its network namespace) and ``host_maddr(i)`` is its ``--host-maddrs``
+    (default: loopback, any port)."""
+    console = Console(stderr=True)
+    spec = spec.replace("pipeline", stages=stages)
+    n = stages * replicas
+    t0 = time.perf_counter()
+    killed: list[int] = []
+    steps = spec.train.steps
+    with _scratch("locomm-pipe-") as folder:
+        group = PeerGroup(folder, spec, size=n, grace_s=15.0, spawn=spawn)
+
+        def start(stage: str, initial: str | None) -> None:
+            i = len(group.procs)
+            args = ["--stage", stage, "--shard", f"{i % replicas}/{replicas}", "--wait-for-peers", str(n), "-q"]
+            args += [*peer_args, *(["--host-maddrs", host_maddr(i)] if host_maddr is not None else [])]
+            args += ["--announce-file", str(folder / f"peer{i}.addr")] + (
+                ["--initial-peers", initial] if initial else []
             )
-        return summary
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+            group.start(args)
 
-
-def _wall(events: list[dict[str, Any]]) -> float:
-    rounds = [e for e in events if e["event"] == "round"]
-    return rounds[-1]["wall_s"] if rounds else 0.0
-
-
-def _mean(xs: list[float]) -> float:
-    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-class _NoLive:
-    def __enter__(self) -> _NoLive:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def update(self, *_: Any) -> None:
-        return None
-
-
-def write_swarm_plot(path: Path, rows: list[dict[str, Any]]) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in rows:
-        pts = [(e["round"], e["loss"]) for e in r["events"] if e["event"] == "round"]
-        if pts:
-            ax.plot(*zip(*pts), marker=".", label=f"peer {r['peer']} train")
-        vals = [(e["round"], e["val_loss"]) for e in r["events"] if e["event"] in ("eval",)]
-        fin = [e for e in r["events"] if e["event"] == "finished"]
-        if vals and fin:
-            vals.append((fin[0]["rounds_completed"], fin[0]["final_loss"]))
-            ax.plot(*zip(*vals), linestyle="--", marker="o", label=f"peer {r['peer']} val")
-    ax.set_xlabel("round")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        with group:
+            start("0", None)
+            bootstrap = group.wait_for_first()
+            if bootstrap_file is not None and bootstrap:
+                bootstrap_file.write_text(bootstrap + "\n")
+            for i in range(1, n):
+                if group.stopping:
+                    break
+                start(str(i // replicas), bootstrap)
+            joiner_started = False
+            with live_table(stage_table(stage_rows(folder, n, replicas), stages, steps), console, quiet) as live:
+                while group.running(range(replicas)) and not group.stopping:
+                    rows = stage_rows(folder, len(group.procs), replicas)
+                    step0 = min((r["step"] for r in rows if r["stage"] == 0), default=0)
+                    if kill_at_step is not None and not killed and step0 >= kill_at_step and n > replicas:
+                        victim = replicas  # the first replica of stage 1
+                        os.killpg(group.procs[victim].pid, signal.SIGKILL)
+                        killed.append(victim)
+                        if not quiet:
+                            console.print(f"killed peer {victim} (stage 1) at step {step0}")
+                    if join_auto_at_step is not None and not joiner_started and step0 >= join_auto_at_step:
+                        # Through a survivor other than peer 0: p2pd on loopback refuses a dial to a peer that
+                        # already holds many connections from this address ("failed to connect to bootstrap peers").
+                        others = (group.address(i) for i in range(1, n) if i not in killed)
+                        start("auto", next((a for a in others if a), bootstrap))
+                        joiner_started = True
+                    live.update(stage_table(rows, stages, steps))
+                    group.wait(0.5)
+                # Stage 0 is done: the servers stop by themselves once they see it; give them a moment.
+                deadline = time.monotonic() + 30
+                alive = [i for i in range(len(group.procs)) if i not in killed]
+                while group.running(alive) and time.monotonic() < deadline and not group.stopping:
+                    group.wait(0.3)
+                live.update(stage_table(stage_rows(folder, len(group.procs), replicas), stages, steps))
+            interrupted = group.stopping
+        rows = stage_rows(folder, len(group.procs), replicas)
+        failed = group.failed(console, interrupted=interrupted, exclude=killed)
+        summary = pipeline_summary(rows, spec, stages=stages, replicas=replicas)
+        summary.update(
+            killed_peers=killed, failed_peers=failed, interrupted=interrupted, wall_s=time.perf_counter() - t0
+        )
+        if keep is not None:
+            shutil.copytree(folder, keep, dirs_exist_ok=True)
+    if not quiet:
+        console.print(
+            f"pipeline {stages}x{replicas}: loss {summary['initial_loss']:.3f} -> "
+            f"{summary['final_loss']:.3f} in {summary['steps']} steps, "
+            f"{summary['microbatches_lost']} lost, {summary['microbatches_rerouted']} re-routed, "
+            f"{summary['bytes_per_token_per_boundary']:.1f} B/token/boundary"
+        )
+    return summary

@@ -1,0 +1,262 @@
+"""``locomm-peer join``, ``swarm`` and ``status``: the commands that talk to a swarm of real peers.
+
+``join`` runs one peer (the daemon, :mod:`locomm.cli.daemon`); ``swarm`` starts a local swarm of peer
+processes on loopback (:mod:`locomm.cli.local_swarm`), data-parallel or ``--pipeline SxR``; ``status``
+reads a running swarm from its DHT records. Torch and hivemind are imported inside each command.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from locomm.cli.options import PRESETS, emit_json, fail, load_spec, parse_pipeline, parse_shard
+from locomm.config import ConfigError
+
+
+@click.command()
+@click.option(
+    "--initial-peers", multiple=True, help="Multiaddr of a peer in the swarm (repeatable). None: start a new swarm."
+)
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(dir_okay=False),
+    help="Run spec (TOML). A joiner refuses a swarm whose spec differs; without it, a joiner takes the swarm's spec.",
+)
+@click.option("--preset", type=PRESETS, help="Model preset of a new swarm (default nano).")
+@click.option(
+    "--algo",
+    type=click.Choice(["noloco", "gasloc", "sparseloco", "diloco"]),
+    help="Outer algorithm of a new swarm (diloco: over hivemind's DecentralizedAverager).",
+)
+@click.option("--inner-steps", type=int, help="H of a new swarm.")
+@click.option(
+    "--host-maddrs",
+    multiple=True,
+    default=["/ip4/127.0.0.1/tcp/0"],
+    show_default=True,
+    help="Where p2pd listens; /ip4/0.0.0.0/tcp/31337 to accept peers from other machines.",
+)
+@click.option("--announce-maddrs", multiple=True, help="Addresses others should dial (behind NAT/port forward).")
+@click.option("--identity", type=click.Path(dir_okay=False, path_type=Path), help="Private key file: a stable peer id.")
+@click.option("--device", default=lambda: os.environ.get("LOCOMM_DEVICE", "auto"), show_default="auto")
+@click.option(
+    "--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), help="Checkpoint here and resume from it."
+)
+@click.option(
+    "--checkpoint-every",
+    type=int,
+    default=5,
+    show_default=True,
+    help="Rounds between checkpoints (one is also written at shutdown).",
+)
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on METRICS_HOST:PORT (0: any free port).")
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics server binds; 0.0.0.0: every interface (a container's published port).",
+)
+@click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="JSON-lines event log.")
+@click.option("--rounds", type=int, help="Stop after this many rounds.")
+@click.option("--shard", help="Data shard as INDEX/COUNT (default: from the peer id).")
+@click.option("--no-overlap", is_flag=True, help="Apply each exchange before the next inner step.")
+@click.option("--announce-file", type=click.Path(dir_okay=False, path_type=Path), hidden=True)
+@click.option("--final-weights", type=click.Path(dir_okay=False, path_type=Path), hidden=True)
+@click.option("--until-round", type=int, hidden=True)
+@click.option("--wait-for-peers", type=int, default=0, help="Before training, wait up to a minute for N peers.")
+@click.option(
+    "--stage",
+    help="Pipeline mode: serve stage K of the model, or 'auto' (the stage with the fewest "
+    "live replicas). The run spec needs pipeline.stages >= 2.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
+@click.option("-q", "--quiet", is_flag=True, help="No status line, per-round lines or summary (log lines stay).")
+@click.option("-v", "--verbose", count=True)
+def join(
+    initial_peers: tuple[str, ...],
+    config: str | None,
+    preset: str | None,
+    algo: str | None,
+    inner_steps: int | None,
+    host_maddrs: tuple[str, ...],
+    announce_maddrs: tuple[str, ...],
+    identity: Path | None,
+    device: str,
+    checkpoint_dir: Path | None,
+    checkpoint_every: int,
+    metrics_port: int | None,
+    metrics_host: str,
+    log_file: Path | None,
+    rounds: int | None,
+    shard: str | None,
+    no_overlap: bool,
+    announce_file: Path | None,
+    final_weights: Path | None,
+    until_round: int | None,
+    wait_for_peers: int,
+    stage: str | None,
+    as_json: bool,
+    quiet: bool,
+    verbose: int,
+) -> None:
+    """Join a training swarm (or start one) and train until the run ends or Ctrl-C.
+
+    On a terminal a live line shows the round, loss, speed, traffic and the transfer in progress; without
+    one (a log, a container) one plain line per round. A summary paragraph follows at exit. All of it goes
+    to stderr (stdout keeps the --json line); -q silences it.
+    """
+    try:
+        spec = load_spec(config, preset or (None if config else "nano"))
+        if not config:
+            spec = spec.replace(
+                "outer", algo=algo or "noloco", **({"inner_steps": inner_steps} if inner_steps is not None else {})
+            )
+        elif algo or inner_steps:
+            raise ConfigError("--algo/--inner-steps set the spec of a new swarm; put them in --config instead")
+        shard_t = parse_shard(shard) if shard else None
+        if stage is not None and stage != "auto" and not (stage.isdigit() and int(stage) >= 0):
+            raise ConfigError(f"--stage: expected a stage number or 'auto', got {stage!r}")
+        if rounds is not None and rounds < 1:
+            raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
+        if checkpoint_every < 1:
+            raise ConfigError(f"--checkpoint-every: must be >= 1, got {checkpoint_every}")
+    except ConfigError as e:
+        fail(str(e))
+    from locomm.cli.daemon import run_node  # noqa: PLC0415 - imports torch and hivemind
+
+    summary = run_node(
+        spec,
+        initial_peers=initial_peers,
+        spec_from_user=bool(config),
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs,
+        identity=identity,
+        device=device,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+        log_file=log_file,
+        rounds=rounds,
+        shard=shard_t,
+        overlap=not no_overlap,
+        announce_file=announce_file,
+        final_weights=final_weights,
+        until_round=until_round,
+        wait_for_peers=wait_for_peers,
+        verbose=verbose,
+        quiet=quiet,
+        **({"stage": stage} if stage is not None else {}),
+    )
+    if as_json:
+        emit_json(summary)
+
+
+@click.command()
+@click.option("--peers", type=int, default=3, show_default=True, help="Peer processes to start on loopback.")
+@click.option("--rounds", type=int, default=5, show_default=True, help="Outer rounds each peer trains.")
+@click.option(
+    "--algo", type=click.Choice(["noloco", "gasloc", "sparseloco", "diloco"]), default="noloco", show_default=True
+)
+@click.option("--inner-steps", type=int, help="H (default: the preset's, 50).")
+@click.option("--preset", type=PRESETS, help="Model preset (default nano).")
+@click.option("--config", "config", type=click.Path(dir_okay=False), help="Run spec (TOML).")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("locomm-swarm.png"),
+    show_default=True,
+    help="Loss plot written at the end.",
+)
+@click.option(
+    "--keep",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Copy the peers' logs, checkpoints and final weights here.",
+)
+@click.option(
+    "--pipeline",
+    "pipeline_shape",
+    help="STAGESxREPLICAS, e.g. 2x2: pipeline mode, one peer per "
+    "stage replica (--peers is ignored); --rounds x --inner-steps optimizer steps.",
+)
+@click.option("--no-subspace", is_flag=True, help="With --pipeline: send activations uncompressed (comparison).")
+@click.option("--kill-at-step", type=int, hidden=True, help="With --pipeline: SIGKILL a stage-1 replica here.")
+@click.option("--join-auto-at-step", type=int, hidden=True, help="With --pipeline: start a --stage auto joiner.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
+def swarm(
+    peers: int,
+    rounds: int,
+    algo: str,
+    inner_steps: int | None,
+    preset: str | None,
+    config: str | None,
+    plot: Path,
+    keep: Path | None,
+    pipeline_shape: str | None,
+    no_subspace: bool,
+    kill_at_step: int | None,
+    join_auto_at_step: int | None,
+    as_json: bool,
+) -> None:
+    """Start a local swarm of real peers on loopback and train it."""
+    if pipeline_shape is not None:
+        try:
+            stages, replicas = parse_pipeline(pipeline_shape)
+            if rounds < 1:
+                raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
+            spec = load_spec(config, preset or (None if config else "nano"))
+            spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps else {}))
+            spec = spec.replace("pipeline", stages=stages, **({"subspace": False} if no_subspace else {}))
+            spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)
+        except ConfigError as e:
+            fail(str(e))
+        from locomm.cli.pipeline_swarm import run_pipeline_swarm  # noqa: PLC0415
+
+        summary = run_pipeline_swarm(
+            spec,
+            stages=stages,
+            replicas=replicas,
+            quiet=as_json,
+            keep=keep,
+            kill_at_step=kill_at_step,
+            join_auto_at_step=join_auto_at_step,
+        )
+        if as_json:
+            emit_json(summary)
+        if summary["failed_peers"]:
+            sys.exit(1)
+        return
+    try:
+        if not 2 <= peers <= 32:
+            raise ConfigError(f"--peers: must be in [2, 32], got {peers}")
+        if rounds < 1:
+            raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
+        spec = load_spec(config, preset or (None if config else "nano"))
+        spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps is not None else {}))
+        if rounds * spec.outer.inner_steps > spec.train.steps:  # the LR schedule spans the whole run
+            spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)
+    except ConfigError as e:
+        fail(str(e))
+    from locomm.cli.local_swarm import run_swarm  # noqa: PLC0415
+
+    summary = run_swarm(spec, peers=peers, rounds=rounds, quiet=as_json, plot=plot, keep=keep)
+    if as_json:
+        emit_json(summary)
+    if summary["failed_peers"]:
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--initial-peers", multiple=True, required=True, help="Multiaddr of any peer in the swarm.")
+@click.option("--watch", is_flag=True, help="Refresh every 2 seconds until Ctrl-C.")
+@click.option("--json", "as_json", is_flag=True, help="Print the swarm as one JSON object.")
+def status(initial_peers: tuple[str, ...], watch: bool, as_json: bool) -> None:
+    """Show a running swarm from its DHT records: peers, rounds, loss, throughput, traffic."""
+    from locomm.cli.status import show_status  # noqa: PLC0415
+
+    show_status(list(initial_peers), watch=watch, as_json=as_json)

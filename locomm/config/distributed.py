@@ -1,0 +1,211 @@
+"""The sections of the run spec that describe how peers work together: the outer algorithm, the codecs per
+tensor role, the pipeline split, and the network's timeouts and limits.
+
+Each a frozen, keyword-only dataclass with a docstring per field, validated at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from locomm.config.base import check, choice, fraction, positive
+
+# --------------------------------------------------------------------------- outer
+
+OUTER_ALGOS = ("none", "ddp", "diloco", "noloco", "gasloc", "sparseloco")
+GASLOC_TOPOLOGIES = ("matching", "ring", "kpeers", "complete")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """The outer algorithm (docs/algorithms.md §1-4). Defaults are the documented ones."""
+
+    algo: str = "none"
+    """none (single node), ddp, diloco, noloco, gasloc or sparseloco."""
+    inner_steps: int = 50
+    """H: inner steps per outer round."""
+    apply_delay_steps: int = 0
+    """With overlap, a round's exchange is applied after this many inner steps of the next round (0: all H,
+    exactly one round late). Fixed in steps, so the numerics do not depend on the network; a smaller delay
+    (Streaming DiLoCo uses a few steps) converges closer to a blocking exchange, and compute waits at that
+    step if the exchange has not arrived."""
+    lr: float = 0.7
+    """Outer learning rate (DiLoCo eta, NoLoCo alpha, GASLoC eta, SparseLoCo alpha)."""
+    momentum: float = 0.9
+    """DiLoCo Nesterov momentum mu."""
+    noloco_beta: float = 0.5
+    """NoLoCo momentum beta."""
+    noloco_gamma: float | None = None
+    """NoLoCo weight on (mean outer weights - own outer weights); None means = lr."""
+    group_size: int = 2
+    """n: workers per NoLoCo group."""
+    gasloc_mix: float = 0.5
+    """GASLoC gossip step a (1/2 = exact pair average)."""
+    gasloc_gamma: float = 0.0
+    """GASLoC momentum gamma on the mixed points. 0 (plain gossip with local steps) was best in
+    benchmarks/tune_gasloc.py (4 workers, nano, H=20, 10 rounds): val 2.416 at gamma 0, 2.459 at 0.5,
+    2.660 at 0.9 (eta 0.7, a 0.5); raise it for long runs, where acceleration is meant to pay off."""
+    gasloc_momentum_on: str = "mixed"
+    """Where GASLoC's momentum acts: 'mixed' (z, reproduces DiLoCo on a complete graph) or 'unmixed' (y)."""
+    topology: str = "matching"
+    """GASLoC graph per round: matching, ring, kpeers or complete."""
+    k_peers: int = 2
+    """Peers per worker for topology=kpeers."""
+    participation: float = 1.0
+    """Per-round probability that a worker takes part in the exchange."""
+    sparse_density: float = 0.02
+    """SparseLoCo top-k density (share of each chunk of 64 that is sent)."""
+    sparse_ef_beta: float = 0.95
+    """SparseLoCo error-feedback decay."""
+    sparse_lr: float = 3.0
+    """SparseLoCo outer learning rate alpha. 3.0: the best of the tuning sweep's points run so far under the
+    paper's aggregation (benchmarks/results/tune/sparseloco, 8 workers); 1.0 suited the sender-mean rule."""
+    sparseloco_aggregation: str = "all"
+    """SparseLoCo's mean of the workers' sparse updates: 'all' (the paper's: over every worker of the exchange,
+    an index a worker did not send counting as 0) or 'senders' (each index over the workers that sent it)."""
+    seed: int = 0
+    """Seed of the per-round group permutations (the same on every worker)."""
+
+    def __post_init__(self) -> None:
+        choice(self, "algo", OUTER_ALGOS)
+        choice(self, "topology", GASLOC_TOPOLOGIES)
+        choice(self, "gasloc_momentum_on", ("mixed", "unmixed"))
+        choice(self, "sparseloco_aggregation", ("all", "senders"))
+        check(self.inner_steps >= 1, "inner_steps", f"H must be >= 1, got {self.inner_steps}")
+        check(
+            0 <= self.apply_delay_steps <= self.inner_steps,
+            "apply_delay_steps",
+            f"must be in [0, inner_steps={self.inner_steps}], got {self.apply_delay_steps}",
+        )
+        check(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
+        check(self.k_peers >= 1, "k_peers", f"must be >= 1, got {self.k_peers}")
+        positive(self, "lr", "sparse_lr")
+        fraction(self, "momentum", "noloco_beta", "gasloc_gamma", "sparse_ef_beta", closed_high=False)
+        fraction(self, "gasloc_mix")
+        fraction(self, "participation", "sparse_density", closed_low=False)
+
+    @property
+    def gamma(self) -> float:
+        """NoLoCo's consensus weight, defaulting to the outer lr as the public code does."""
+        return self.lr if self.noloco_gamma is None else self.noloco_gamma
+
+
+# --------------------------------------------------------------------- compression
+
+TENSOR_ROLES = ("parameter", "outer_gradient", "activation", "act_gradient")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """Codec stack per tensor role: names joined by '+', lossy first, then lossless."""
+
+    parameter: str = "lossless"
+    outer_gradient: str = "lossless"
+    activation: str = "subspace+lossless"
+    act_gradient: str = "subspace+lossless"
+    subspace_rate: int = 32
+    """Protocol Models rate: k = d_model / rate."""
+
+    def __post_init__(self) -> None:
+        for role in TENSOR_ROLES:
+            check(bool(getattr(self, role)), role, "must name at least one codec")
+        positive(self, "subspace_rate")
+
+
+# ------------------------------------------------------------------------ pipeline
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline mode (docs/algorithms.md §7): the model split into stages served by different peers."""
+
+    stages: int = 1
+    """Number of pipeline stages (1: no pipeline; every peer holds the whole model)."""
+    layers: tuple[int, ...] = ()
+    """Transformer blocks per stage, e.g. [3, 5]; empty means an even split (earlier stages take the extra)."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch; data.batch_size must be a multiple (an optimizer step takes a whole batch)."""
+    in_flight: int = 2
+    """Micro-batches a stage-0 replica keeps in the pipeline at once (1F1B-style overlap of the stages)."""
+    subspace: bool = True
+    """Keep the residual stream in span(U) and send z = U^T (h - E_f[tok]) (k = d_model / compression.subspace_rate
+    numbers per token); false sends h itself with the activation codec's casts (the uncompressed comparison)."""
+    free_tail_layers: int = -1
+    """Blocks at the end of the last stage left out of the constraint; -1 (default): the whole last stage.
+    Only blocks before the last boundary must write into span(U) for the boundary map to be exact, so every
+    value keeps it exact. node0 leaves 2; on tiny at 32x, 2 stages, 311 steps, freeing the whole last stage
+    (4 blocks) ends at 1.914 against 1.970 (benchmarks/pipeline.py, tiny32_free vs tiny32)."""
+    stage_timeout_s: float = 60.0
+    """How long a stage waits for the rest of the pipeline to answer one micro-batch (forward and backward)."""
+    reroute_attempts: int = 3
+    """Other replicas of the next stage tried for a micro-batch before it counts as lost."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        positive(self, "stages", "micro_batch_size", "in_flight", "stage_timeout_s")
+        check(self.reroute_attempts >= 0, "reroute_attempts", f"must be >= 0, got {self.reroute_attempts}")
+        check(
+            self.free_tail_layers >= -1,
+            "free_tail_layers",
+            f"must be >= 0, or -1 for the whole last stage; got {self.free_tail_layers}",
+        )
+        check(
+            all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.layers),
+            "layers",
+            f"must be positive integers, got {list(self.layers)}",
+        )
+        check(
+            not self.layers or len(self.layers) == self.stages,
+            "layers",
+            f"gives {len(self.layers)} stages, stages = {self.stages}",
+        )
+
+
+# ------------------------------------------------------------------------- network
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkConfig:
+    """Timeouts and limits shared by every peer of a run."""
+
+    request_timeout_s: float = 30.0
+    """Bound on a small request (a header, a manifest, an answer); transfers are bounded by size instead."""
+    stall_timeout_s: float = 20.0
+    """A transfer with no progress (no byte read or written) for this long is cut off."""
+    min_rate_mbit: float = 10.0
+    """Floor rate of a transfer: its deadline is its declared size at this rate (plus slack), and over any
+    ``rate_window_s`` of waiting it must move at least this much, so a trickling sender is cut off."""
+    rate_window_s: float = 30.0
+    max_wait_s: float = 600.0
+    """The most a worker waits for a partner's payload beyond the ETA the partner publishes."""
+    streams_per_transfer: int = 4
+    """A payload above ``parallel_threshold_mb`` travels over up to this many parallel streams to one partner."""
+    parallel_threshold_mb: float = 16.0
+    max_streams_per_peer: int = 16
+    """Open streams one remote peer may hold at once; more are refused with NOT_READY."""
+    heartbeat_interval_s: float = 5.0
+    heartbeat_ttl_s: float = 30.0
+    max_message_mb: float = 1024.0
+    """A message larger than this is refused before it is read."""
+    max_faults_before_ban: int = 3
+
+    def __post_init__(self) -> None:
+        positive(
+            self,
+            "request_timeout_s",
+            "heartbeat_interval_s",
+            "heartbeat_ttl_s",
+            "max_message_mb",
+            "max_faults_before_ban",
+            "stall_timeout_s",
+            "min_rate_mbit",
+            "rate_window_s",
+            "max_wait_s",
+            "streams_per_transfer",
+            "parallel_threshold_mb",
+            "max_streams_per_peer",
+        )
+        check(
+            self.streams_per_transfer <= 16, "streams_per_transfer", f"must be <= 16, got {self.streams_per_transfer}"
+        )
+        check(self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s", "must exceed heartbeat_interval_s")

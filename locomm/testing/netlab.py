@@ -55,6 +55,11 @@ process group, ``grace_s`` to exit, then SIGKILL), kills whatever is still insid
 handler (so SIGINT still raises KeyboardInterrupt; SIGTERM with no Python handler raises
 ``SystemExit(143)``). A second Ctrl-C during the grace period skips the rest of it.
 
+The lab is three modules: this one (the :class:`Lab` and its :class:`Host` objects: lifecycle and
+topology), :mod:`locomm.testing.netns` (the ``ip``/``tc``/``iptables`` commands, the availability
+probe, stale-namespace cleanup) and :mod:`locomm.testing.netmeasure` (goodput and reachability); every
+public name is importable from here.
+
     from locomm.testing import netlab
     ok, why = netlab.available()
     with netlab.Lab() as lab:
@@ -70,10 +75,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -83,208 +86,47 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-PREFIX = "lnl"
-"""Namespace names start with this, then the creating pid: ``lnl<pid>x<seq>-<host>``."""
-LATENCY_MS = 50.0
-"""tbf queue size, in milliseconds at the shaped rate."""
-MIN_BURST = 64 * 1024
-"""Smallest tbf burst (bytes): one TSO/GSO super-packet."""
+from locomm.testing.netmeasure import measure_tcp, ping, tcp_listen, tcp_probe
+from locomm.testing.netns import (
+    LATENCY_MS,
+    MIN_BURST,
+    PREFIX,
+    NetlabError,
+    NetlabUnavailable,
+    _kill_netns,
+    _live_runs,
+    _next_seq,
+    _run,
+    add_nat_router,
+    available,
+    cleanup_stale,
+    list_netns,
+    parse_rate,
+    shape,
+    signal_proc,
+)
+
+__all__ = [
+    "LATENCY_MS",
+    "MAX_HOSTS",
+    "MIN_BURST",
+    "PREFIX",
+    "Host",
+    "Lab",
+    "NetlabError",
+    "NetlabUnavailable",
+    "available",
+    "cleanup_stale",
+    "list_netns",
+    "measure_tcp",
+    "parse_rate",
+    "ping",
+    "tcp_listen",
+    "tcp_probe",
+]
+
 MAX_HOSTS = 190
-
 _NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
-_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(/s)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_seq = 0
-_seq_lock = threading.Lock()
-_live_runs: set[str] = set()
-_probe_cache: dict[bool, tuple[bool, str]] = {}
-
-
-class NetlabError(RuntimeError):
-    """A command that builds the lab failed (the message holds its stderr)."""
-
-
-class NetlabUnavailable(NetlabError):
-    """This machine cannot build a lab (not root, no iproute2, no namespaces...)."""
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def parse_rate(rate: str | float | int | None) -> int | None:
-    """'80mbit', '1gbit', '500kbit', 2e7 -> bits per second (int); None / 'none' / 0 -> None (unshaped).
-
-    Units are bits, as in ``locomm-peer simulate --link`` ('mbps' is read as megabits, unlike tc).
-    """
-    if rate is None:
-        return None
-    if isinstance(rate, (int, float)):
-        return int(rate) if rate > 0 else None
-    if rate.strip().lower() in ("none", "", "0", "unshaped", "off"):
-        return None
-    m = _RATE_RE.match(rate)
-    if not m:
-        raise ValueError(f"cannot read rate {rate!r}; write e.g. 80mbit, 1gbit, 500kbit or none")
-    bps = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if bps < 8000:
-        raise ValueError(f"rate {rate!r} is below 8 kbit/s")
-    return bps
-
-
-def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise NetlabError(f"{' '.join(argv)}: exit {p.returncode}: {(p.stderr or p.stdout).strip()}")
-    return p
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def list_netns() -> list[str]:
-    """Names of the named network namespaces (``ip netns list``)."""
-    p = _run(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
-
-
-def _netns_pids(ns: str) -> list[int]:
-    p = _run(["ip", "netns", "pids", ns], check=False)
-    return [int(x) for x in p.stdout.split() if x.isdigit()]
-
-
-def _kill_netns(ns: str) -> None:
-    """SIGKILL every process inside ``ns``, then delete it (idempotent)."""
-    for _ in range(3):
-        pids = _netns_pids(ns)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-    if ns in list_netns():
-        _run(["ip", "netns", "del", ns], check=False)
-
-
-def cleanup_stale(prefix: str = PREFIX) -> list[str]:
-    """Delete namespaces left by dead runs: ``<prefix><pid>x<seq>-*`` whose pid no longer exists
-    (or, for this process's own pid, whose lab is no longer open). Returns the names removed."""
-    removed = []
-    pat = re.compile(rf"^{re.escape(prefix)}(\d+)x(\d+)-")
-    for ns in list_netns():
-        m = pat.match(ns)
-        if not m:
-            continue
-        pid, run = int(m.group(1)), f"{prefix}{m.group(1)}x{m.group(2)}"
-        stale = (run not in _live_runs) if pid == os.getpid() else not _pid_alive(pid)
-        if stale:
-            _kill_netns(ns)
-            removed.append(ns)
-    return removed
-
-
-def available(nat: bool = False) -> tuple[bool, str]:
-    """(True, "") when this machine can build labs (NAT hosts too with ``nat=True``), else (False, why).
-
-    Checks root, the tools, then really builds a throwaway namespace with a veth pair and a tbf
-    qdisc (and a MASQUERADE rule for ``nat``), since containers often lack the capabilities.
-    """
-    if nat in _probe_cache:
-        return _probe_cache[nat]
-    result = _probe(nat)
-    _probe_cache[nat] = result
-    return result
-
-
-def _probe(nat: bool) -> tuple[bool, str]:
-    if not sys.platform.startswith("linux"):
-        return False, f"network namespaces need Linux (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return False, "needs root (network namespaces, tc, iptables); run as root"
-    tools = ["ip", "tc"] + (["iptables"] if nat else [])
-    missing = [t for t in tools if shutil.which(t) is None]
-    if missing:
-        return False, f"missing tool(s): {', '.join(missing)} (apt-get install iproute2" + (
-            " iptables)" if nat else ")"
-        )
-    ns = f"{PREFIX}{os.getpid()}x{_next_seq()}-probe"
-    try:
-        _run(["ip", "netns", "add", ns])
-        _run(["ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-        _run(
-            [
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "replace",
-                "dev",
-                "p0",
-                "root",
-                "tbf",
-                "rate",
-                "1mbit",
-                "burst",
-                "64kb",
-                "latency",
-                "50ms",
-            ]
-        )
-        if nat:
-            _run(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "iptables",
-                    "-t",
-                    "nat",
-                    "-A",
-                    "POSTROUTING",
-                    "-o",
-                    "p0",
-                    "-j",
-                    "MASQUERADE",
-                ]
-            )
-            _run(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "iptables",
-                    "-A",
-                    "FORWARD",
-                    "-m",
-                    "conntrack",
-                    "--ctstate",
-                    "ESTABLISHED,RELATED",
-                    "-j",
-                    "ACCEPT",
-                ]
-            )
-    except (NetlabError, OSError, subprocess.TimeoutExpired) as e:
-        return False, f"cannot build a namespace lab here: {e}"
-    finally:
-        with contextlib.suppress(Exception):
-            _run(["ip", "netns", "del", ns], check=False)
-    return True, ""
-
-
-def _next_seq() -> int:
-    global _seq
-    with _seq_lock:
-        _seq += 1
-        return _seq
 
 
 # --------------------------------------------------------------------------------- hosts
@@ -369,8 +211,9 @@ class Lab:
         if not re.fullmatch(r"[a-z]{1,4}", prefix):
             raise ValueError(f"prefix must be 1-4 lowercase letters, got {prefix!r}")
         self.prefix = prefix
-        self.run_name = f"{prefix}{os.getpid()}x{_next_seq()}"
-        self.subnet = f"10.77.{(os.getpid() * 7 + _seq) % 250 + 1}"
+        seq = _next_seq()
+        self.run_name = f"{prefix}{os.getpid()}x{seq}"
+        self.subnet = f"10.77.{(os.getpid() * 7 + seq) % 250 + 1}"
         self.hub = f"{self.run_name}-hub"
         self.grace_s = grace_s
         self.stop_signal = stop_signal
@@ -454,14 +297,14 @@ class Lab:
     def _stop_procs(self) -> None:
         alive = [p for p in self._procs if p.poll() is None]
         for p in alive:
-            _signal_proc(p, self.stop_signal)
+            signal_proc(p, self.stop_signal)
         deadline = time.monotonic() + self.grace_s
         while alive and time.monotonic() < deadline and not self._hurry.is_set():
             alive = [p for p in alive if p.poll() is None]
             if alive:
                 time.sleep(0.05)
         for p in self._procs:  # whatever is left in each group (a child that ignored the signal)
-            _signal_proc(p, signal.SIGKILL)
+            signal_proc(p, signal.SIGKILL)
         for p in self._procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
@@ -516,35 +359,7 @@ class Lab:
         self._ip(edge, "link", "set", "eth0", "up")
         if nat:
             lan = f"192.168.{i}"
-            self._ip(edge, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            self._ip(edge, "addr", "add", f"{lan}.1/24", "dev", "lan0")
-            self._ip(edge, "link", "set", "lan0", "up")
-            self._ip(ns, "addr", "add", f"{lan}.2/24", "dev", "eth0")
-            self._ip(ns, "link", "set", "eth0", "up")
-            self._ip(ns, "route", "add", "default", "via", f"{lan}.1")
-            ex = ["ip", "netns", "exec", edge]
-            _run(ex + ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
-            _run(ex + ["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE"])
-            _run(ex + ["iptables", "-P", "FORWARD", "DROP"])
-            _run(ex + ["iptables", "-A", "FORWARD", "-i", "lan0", "-o", "eth0", "-j", "ACCEPT"])
-            _run(
-                ex
-                + [
-                    "iptables",
-                    "-A",
-                    "FORWARD",
-                    "-i",
-                    "eth0",
-                    "-o",
-                    "lan0",
-                    "-m",
-                    "conntrack",
-                    "--ctstate",
-                    "ESTABLISHED,RELATED",
-                    "-j",
-                    "ACCEPT",
-                ]
-            )
+            add_nat_router(edge, ns, lan)
             host_ip = f"{lan}.2"
         else:
             host_ip = wan_ip
@@ -573,30 +388,7 @@ class Lab:
         _run(["ip", "-n", ns, *args])
 
     def _shape(self, dev: tuple[str, str], bps: int | None) -> None:
-        ns, ifname = dev
-        if bps is None:
-            _run(["tc", "-n", ns, "qdisc", "del", "dev", ifname, "root"], check=False)
-            return
-        burst = max(bps // 8 // 100, MIN_BURST)
-        _run(
-            [
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "replace",
-                "dev",
-                ifname,
-                "root",
-                "tbf",
-                "rate",
-                f"{bps}bit",
-                "burst",
-                str(burst),
-                "latency",
-                f"{self.latency_ms:g}ms",
-            ]
-        )
+        shape(*dev, bps, latency_ms=self.latency_ms)
 
     def _popen(self, host: Host, cmd: Sequence[str] | str, **kw: Any) -> subprocess.Popen:
         if not self._open or self._closing:
@@ -609,149 +401,6 @@ class Lab:
             self._procs.append(p)
             host.procs.append(p)
         return p
-
-
-def _signal_proc(p: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-        if getattr(p, "_netlab_group", False):
-            os.killpg(p.pid, sig)
-        elif p.poll() is None:
-            p.send_signal(sig)
-
-
-# ------------------------------------------------------------------------------ measuring
-
-_XFER = r"""
-import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)
-import json, socket, sys, time
-role, action, host, port, nbytes, timeout = sys.argv[1:7]
-port, nbytes, timeout = int(port), int(nbytes), float(timeout)
-if role == "listen":
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, port)); s.listen(8); s.settimeout(timeout)
-    print(s.getsockname()[1], flush=True)
-    c, _ = s.accept()
-else:
-    c = socket.create_connection((host, port), timeout=timeout)
-c.settimeout(timeout)
-if action == "send":
-    left, chunk = nbytes, b"\0" * (1 << 20)
-    while left > 0:
-        k = min(left, len(chunk)); c.sendall(chunk[:k]); left -= k
-    c.shutdown(socket.SHUT_WR); c.recv(1)
-else:
-    n, t0, buf = 0, None, bytearray(1 << 20)
-    while True:
-        k = c.recv_into(buf)
-        if not k:
-            break
-        if t0 is None:
-            t0 = time.perf_counter()
-        n += k
-    t1 = time.perf_counter()
-    print(json.dumps({"bytes": n, "seconds": t1 - (t0 or t1)}), flush=True)
-c.close()
-"""
-
-_ECHO = r"""
-import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)
-import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(8)
-print(s.getsockname()[1], flush=True)
-while True:
-    c, addr = s.accept()
-    c.sendall(("hello " + addr[0] + "\n").encode()); c.close()
-    print(addr[0], flush=True)
-"""
-
-_PROBE = r"""
-import socket, sys
-try:
-    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
-    print(c.recv(200).decode().strip() or "connected")
-except OSError as e:
-    print("FAILED", type(e).__name__, e)
-"""
-
-
-def _py(script: str, *args: Any) -> list[str]:
-    return [sys.executable, "-I", "-S", "-c", script, *map(str, args)]
-
-
-def measure_tcp(src: Host, dst: Host, nbytes: int = 4_000_000, *, timeout: float = 60.0, dialer: str = "src") -> float:
-    """Bits per second of one TCP flow carrying ``nbytes`` from ``src`` to ``dst``: ``src``'s upload and
-    ``dst``'s download. Timed at the receiver from its first byte to the end (start-up excluded).
-
-    ``dialer``: who opens the connection, "src" (the sender; ``dst`` must be reachable) or "dst" (the
-    receiver dials the sender: how a NATed host's download is measured).
-    """
-    if dialer not in ("src", "dst"):
-        raise ValueError(f"dialer must be 'src' or 'dst', got {dialer!r}")
-    listener, dialing = (dst, src) if dialer == "src" else (src, dst)
-    l_action, d_action = ("recv", "send") if dialer == "src" else ("send", "recv")
-    server = listener.popen(
-        _py(_XFER, "listen", l_action, "0.0.0.0", 0, nbytes, timeout),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        port = int(_readline(server, timeout))
-        client = dialing.run(
-            _py(_XFER, "connect", d_action, listener.ip, port, nbytes, timeout), timeout=timeout + 5, check=False
-        )
-        if client.returncode != 0:
-            raise NetlabError(f"measure_tcp {src.name}->{dst.name}: {client.stderr.strip()[-300:]}")
-        out, _ = server.communicate(timeout=timeout)
-        text = out if l_action == "recv" else client.stdout
-        r = json.loads(text.strip().splitlines()[-1])
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.communicate()
-    if r["bytes"] != nbytes or r["seconds"] <= 0:
-        raise NetlabError(f"measure_tcp {src.name}->{dst.name}: got {r['bytes']} of {nbytes} bytes")
-    return 8 * r["bytes"] / r["seconds"]
-
-
-def _readline(p: subprocess.Popen, timeout: float) -> str:
-    """One stdout line from ``p`` within ``timeout`` (a thread reads it: pipes have no timeout)."""
-    box: list[str] = []
-    t = threading.Thread(target=lambda: box.append(p.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-    t.start()
-    t.join(timeout)
-    if not box or not box[0].strip():
-        raise NetlabError(f"no output from {p.args!r} within {timeout:g} s")
-    return box[0].strip()
-
-
-def tcp_listen(host: Host, port: int = 0) -> tuple[subprocess.Popen, int]:
-    """A TCP server in ``host`` that answers each connection with ``hello <client ip>`` and prints the
-    client's ip on its stdout (one line each). Returns (process, port); the lab stops it."""
-    p = host.popen(_py(_ECHO, "0.0.0.0", port), stdout=subprocess.PIPE, text=True)
-    return p, int(_readline(p, 30.0))
-
-
-def tcp_probe(src: Host, ip: str, port: int, timeout: float = 3.0) -> str | None:
-    """Connect from ``src`` to ip:port; the server's greeting (``hello <ip seen>``), or None on failure."""
-    out = src.run(_py(_PROBE, ip, port, timeout), timeout=timeout + 15, check=False).stdout.strip()
-    return None if not out or out.startswith("FAILED") else out
-
-
-def ping(src: Host, ip: str, timeout: float = 5.0) -> bool:
-    """Is ``ip`` reachable from ``src``: ``ping -c1`` when ping exists, else a TCP probe to port 9.
-
-    A refusal is an answer."""
-    if shutil.which("ping"):
-        return (
-            src.run(
-                ["ping", "-c", "1", "-W", str(max(1, int(timeout))), ip], check=False, timeout=timeout + 5
-            ).returncode
-            == 0
-        )
-    out = src.run(_py(_PROBE, ip, 9, timeout), timeout=timeout + 15, check=False).stdout
-    return "ConnectionRefused" in out  # a refusal proves the host answered
 
 
 def _self_test() -> None:  # python -m locomm.testing.netlab: build two shaped hosts and measure them

@@ -161,13 +161,14 @@ def write_json(
 ) -> Path:
     """Write ``obj`` as JSON to ``path`` atomically (temporary file, fsync, rename); returns the path.
 
-    With ``meta`` (the default) a dict gets a ``"platform"`` key (:func:`platform_info`, unless it
-    has one) and a list is wrapped as ``{"platform": ..., "rows": obj}``. Parent folders are created.
+    With ``meta`` (the default) a dict gets a fresh ``"platform"`` key (:func:`platform_info`; one
+    read back from an earlier file is replaced) and a list is wrapped as ``{"platform": ..., "rows": obj}``.
+    Parent folders are created.
     """
     path = Path(path)
     if meta:
         if isinstance(obj, dict):
-            obj = obj if PLATFORM_KEY in obj else {**obj, PLATFORM_KEY: platform_info()}
+            obj = {**obj, PLATFORM_KEY: platform_info()}
         elif isinstance(obj, list):
             obj = {PLATFORM_KEY: platform_info(), "rows": obj}
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n"

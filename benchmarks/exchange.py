@@ -65,8 +65,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import _harness
+
+from locomm.testing.launcher import Launcher
+
 N_TENSORS = 25
 TENSOR_NUMEL = 1 << 20  # 4 MiB each in fp32: 100 MiB in all
 PAYLOAD_BYTES = N_TENSORS * TENSOR_NUMEL * 4
@@ -538,7 +540,7 @@ def child_main(spec: dict[str, Any]) -> None:
 
 def run_child(spec: dict[str, Any], netns: list[str], timeout: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
     """One row in a child process of its own session; its whole process group is killed afterwards."""
-    env = {**os.environ, NETNS_ENV: "1" if netns else "0", "PYTHONPATH": str(HERE.parent)}
+    env = {**os.environ, NETNS_ENV: "1" if netns else "0"}
     load0 = os.getloadavg()[0]
     proc = subprocess.Popen(
         [*netns, sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
@@ -647,38 +649,16 @@ def bench_exchange(
 
 
 def first_heartbeat() -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as d:
-        log = Path(d) / "p.jsonl"
-        t0 = time.time()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "locomm.cli.main",
-                "join",
-                "--preset",
-                "nano",
-                "--rounds",
-                "1",
-                "--inner-steps",
-                "5",
-                "--device",
-                "cpu",
-                "--log-file",
-                str(log),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            proc.wait(timeout=300)
-        finally:
-            with contextlib.suppress(Exception):
-                os.killpg(proc.pid, signal.SIGKILL)
-        started = next(json.loads(line) for line in log.read_text().splitlines() if '"started"' in line)
+    # Killed as a group at once when done or past 300 s; the peer's environment is this script's.
+    with (
+        tempfile.TemporaryDirectory() as d,
+        Launcher(d, grace_s=0.0, stop_signal=signal.SIGKILL, threads=None) as peers,
+    ):
+        p = peers.start("p", "--preset", "nano", "--rounds", "1", "--inner-steps", "5", announce=False)
+        p.wait(timeout=300)
+        started = p.events("started")[0]
         return {
-            "launch_to_first_heartbeat_s": started["first_heartbeat_at"] - t0,
+            "launch_to_first_heartbeat_s": started["first_heartbeat_at"] - p.started_at,
             "node_start_to_first_heartbeat_s": started["first_heartbeat_s"],
         }
 
@@ -745,7 +725,7 @@ def print_table(ex: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _harness.parser(__doc__, out="exchange.json", summary=True)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=4, help="timed rounds per row and pass (>= 3)")
@@ -771,7 +751,6 @@ def main() -> None:
         action="append",
         help="measure only these (repeatable); the others' keys are kept from the existing JSON",
     )
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "exchange.json")
     a = ap.parse_args()
     if a.child:
         child_main(json.loads(a.child))
@@ -784,7 +763,7 @@ def main() -> None:
     parts = a.only or ["exchange", "heartbeat", "swarm"]
     result: dict[str, Any] = {}
     if a.only and a.out.exists():
-        result = json.loads(a.out.read_text())
+        result = _harness.read_json(a.out)
     if "exchange" in parts:
         ex = bench_exchange(
             a.warmup,
@@ -829,8 +808,7 @@ def main() -> None:
             f"wall-clock ({sw['rounds_completed']} rounds, loss {sw['initial_loss']:.3f} -> {sw['final_loss']:.3f})"
         )
         result["swarm"] = sw
-    a.out.parent.mkdir(exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
+    _harness.write_json(a.out, result)
     print(f"wrote {a.out}")
 
 

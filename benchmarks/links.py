@@ -30,10 +30,12 @@ namespaces, and the partial JSON is still written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,11 +43,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import _harness
 
-from locomm.config import ConfigError, RunSpec  # noqa: E402
-from locomm.testing import netlab  # noqa: E402
+from locomm.config import ConfigError, RunSpec
+from locomm.testing import netlab
+from locomm.testing.launcher import Launcher, PeerExited
+
+REPO = _harness.REPO
 
 SUMMARY_KEYS = (
     "rounds_completed",
@@ -70,9 +74,7 @@ STARTUP_TIMEOUT_S = 180.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = _harness.parser(__doc__.split("\n\n")[0], out_help="Write the JSON here too")
     ap.add_argument("--config", required=True, help="Run spec (TOML); e.g. benchmarks/configs/links-nano.toml")
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
@@ -100,7 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--peer-arg", action="append", default=[], help="Extra argument for every `join` (repeat; e.g. --peer-arg=-v)"
     )
     ap.add_argument("--keep", type=Path, help="Copy the peers' logs (jsonl, stdout, stderr) here")
-    ap.add_argument("--out", type=Path, help="Write the JSON here too")
     ap.add_argument("--quiet", action="store_true", help="No progress lines on stderr")
     ap.add_argument(
         "--pipeline",
@@ -300,14 +301,6 @@ def log(args: argparse.Namespace, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def pick_maddr(text: str, ip: str) -> str:
-    addrs = text.split()
-    for a in addrs:
-        if f"/ip4/{ip}/" in a:
-            return a
-    raise RuntimeError(f"peer 0 announced no address on {ip}: {addrs}")
-
-
 def tcp_connections(host: netlab.Host) -> set[str]:
     """Established TCP connections in ``host``'s namespace, as 'local -> peer' (loopback left out)."""
     try:
@@ -329,7 +322,7 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
     rates = state["rates"]
     threads = str(max(1, (os.cpu_count() or 1) // n))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
-    with netlab.Lab(grace_s=args.grace) as lab:
+    with netlab.Lab(grace_s=args.grace) as lab, contextlib.ExitStack() as stack:
         hosts = [lab.add_host(f"p{i}", rate=rates[i], nat=i >= n - args.nat) for i in range(n)]
         state["hosts"] = hosts
         for h in hosts:
@@ -345,49 +338,41 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
                 log(args, f"links: {h.name} measured up {up / 1e6:.1f} down {down / 1e6:.1f} Mbit/s")
             state["measured_links"] = measured
 
+        # The launcher stops the peers first (SIGINT, --grace, SIGKILL to each group); the lab then
+        # removes the namespaces and kills whatever is left inside them.
+        peers = Launcher(folder, grace_s=args.grace, stop_signal=signal.SIGINT, threads=None, env=env, cwd=REPO)
+        state["peers"] = peers
+        stack.enter_context(peers)
+
         def launch(i: int, initial: str | None) -> subprocess.Popen:
             h = hosts[i]
-            cmd = [
-                sys.executable,
-                "-m",
-                "locomm.cli.main",
-                "join",
-                "--config",
-                str(spec_path),
+            p = peers.start(
+                f"peer{i}",
                 "--until-round",
                 str(args.rounds),
-                "--log-file",
-                str(folder / f"peer{i}.jsonl"),
                 "--shard",
                 f"{i}/{n}",
                 "--wait-for-peers",
                 str(n),
-                "--device",
-                args.device,
                 "--host-maddrs",
                 f"/ip4/{h.ip}/tcp/0",
                 "--json",
                 *args.peer_arg,
-            ]
-            cmd += ["--initial-peers", initial] if initial else ["--announce-file", str(folder / "peer0.addr")]
-            out = open(folder / f"peer{i}.out", "w")  # noqa: SIM115 - the child holds it; closed below
-            err = open(folder / f"peer{i}.err", "w")  # noqa: SIM115
-            try:
-                return h.popen(cmd, stdout=out, stderr=err, env=env, cwd=str(HERE.parent))
-            finally:
-                out.close()
-                err.close()
+                config=spec_path,
+                device=args.device,
+                initial_peers=initial,
+                announce=initial is None,
+                spawn=h.popen,
+            )
+            return p.proc
 
         procs: list[subprocess.Popen] = state["procs"]
         state["t0"] = time.perf_counter()
         procs.append(launch(0, None))
-        addr_file = folder / "peer0.addr"
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not (addr_file.exists() and addr_file.read_text().strip()):
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("peer 0 did not start:\n" + (folder / "peer0.err").read_text()[-3000:])
-            time.sleep(0.2)
-        bootstrap = pick_maddr(addr_file.read_text(), hosts[0].ip)
+        try:
+            bootstrap = peers["peer0"].address(timeout=STARTUP_TIMEOUT_S, ip=hosts[0].ip)
+        except (PeerExited, TimeoutError) as e:
+            raise RuntimeError("peer 0 did not start:\n" + peers["peer0"].tail()) from e
         state["bootstrap"] = bootstrap
         log(args, f"links: peer 0 up at {bootstrap}")
         for i in range(1, n):
@@ -419,7 +404,8 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
                         )
                 seen[i] = len(ev)
             time.sleep(0.5)
-        # Leaving the with-block: the lab sends SIGINT to every peer group, waits --grace, kills the rest.
+        # Leaving the with-block: the launcher sends SIGINT to every peer group, waits --grace, kills the
+        # rest; then the lab removes its namespaces.
     state["t_end"] = time.perf_counter()
 
 
@@ -485,8 +471,7 @@ def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
         code = 1
     result = {k: v for k, v in result.items() if k != "events"}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
+        _harness.write_json(args.out, result, sort_keys=True, default=str)
     log(
         args,
         f"links: pipeline {args.pipeline} subspace={spec.pipeline.subspace} at {args.rate}: "
@@ -578,8 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
         text = json.dumps(result, sort_keys=True)
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+            _harness.write_json(args.out, result, sort_keys=True)
         t = result["totals"]
         log(
             args,

@@ -16,33 +16,22 @@ counter decides when a dead peer leaves, and peers that read at different times 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import _harness
+
 from locomm.config import RunSpec
-
-
-def read(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
+from locomm.testing.launcher import Launcher
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _harness.parser(__doc__)
     ap.add_argument("--peers", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--kill-at", type=int, default=12)
@@ -55,7 +44,6 @@ def main() -> None:
         default=3.0,
         help="Keep it below a round's duration, as in a real run (5 s heartbeats, 30 s TTL, minute rounds)",
     )
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="locomm-membership-"))
     spec = (
@@ -72,57 +60,24 @@ def main() -> None:
     )
     cfg = tmp / "run.toml"
     spec.save(cfg)
-    procs: dict[str, subprocess.Popen] = {}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Stopped at the end as before: SIGKILL to each peer's group at once (no grace).
+    peers = Launcher(tmp, grace_s=0.0, stop_signal=signal.SIGKILL)
 
     def launch(name: str, initial: str | None, wait: int) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "locomm.cli.main",
-            "join",
-            "--config",
-            str(cfg),
-            "--device",
-            "cpu",
-            "-q",
-            "--log-file",
-            str(tmp / f"{name}.jsonl"),
-            "--until-round",
-            str(args.rounds),
-            "--announce-file",
-            str(tmp / f"{name}.addr"),
-            "--wait-for-peers",
-            str(wait),
-        ]
-        if initial:
-            cmd += ["--initial-peers", initial]
-        procs[name] = subprocess.Popen(
-            cmd,
-            stdout=subprocess.DEVNULL,
-            stderr=open(tmp / f"{name}.err", "w"),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=env,
-        )
-
-    def rounds(name: str) -> int:
-        ev = [e for e in read(tmp / f"{name}.jsonl") if e.get("event") == "round"]
-        return ev[-1]["round"] if ev else 0
+        until = ("-q", "--until-round", str(args.rounds), "--wait-for-peers", str(wait))
+        peers.start(name, *until, config=cfg, initial_peers=initial)
 
     t0 = time.time()
-    try:
+    with peers:
         launch("p0", None, args.peers)
-        while not (tmp / "p0.addr").exists() or not (tmp / "p0.addr").read_text().strip():
-            time.sleep(0.2)
-        boot = (tmp / "p0.addr").read_text().split()[0]
+        boot = peers["p0"].address(timeout=float("inf"))
         for i in range(1, args.peers):
             launch(f"p{i}", boot, args.peers)
         killed = joined = False
-        while any(p.poll() is None for p in procs.values()):
-            r = rounds("p0")
+        while peers.running():
+            r = peers["p0"].round()
             if not killed and r >= args.kill_at:
-                os.killpg(procs[f"p{args.peers - 1}"].pid, signal.SIGKILL)
+                peers[f"p{args.peers - 1}"].kill(group=True)
                 killed = True
             if killed and not joined and r >= args.join_at:
                 launch("joiner", boot, 0)
@@ -130,17 +85,12 @@ def main() -> None:
             if time.time() - t0 > 900:
                 break
             time.sleep(0.5)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     by_round: dict[int, list[tuple[str, tuple[str, ...]]]] = defaultdict(list)
-    for name in procs:
-        for e in read(tmp / f"{name}.jsonl"):
-            if e.get("event") == "round" and "member_ids" in e:
+    for p in peers:
+        for e in p.events("round"):
+            if "member_ids" in e:
                 # The event is written after the round counter moved on: it describes round - 1.
-                by_round[e["round"] - 1].append((name, tuple(e["member_ids"])))
+                by_round[e["round"] - 1].append((p.name, tuple(e["member_ids"])))
     disagree = [r for r, views in by_round.items() if len({v for _, v in views}) > 1]
     result = {
         "command": " ".join(sys.argv),
@@ -156,14 +106,11 @@ def main() -> None:
         "disagreement_rate": len(disagree) / max(1, len(by_round)),
         "disagreeing_rounds": sorted(disagree),
         "wall_s": time.time() - t0,
-        "finished": {
-            n: next((e for e in read(tmp / f"{n}.jsonl") if e.get("event") == "finished"), {}).get("exchanges_failed")
-            for n in procs
-        },
+        "finished": {p.name: next(iter(p.events("finished")), {}).get("exchanges_failed") for p in peers},
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        _harness.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import multiprocessing as mp
 import os
@@ -60,8 +59,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import _harness
+
 RUN_ID = "benchresponsive0"
 COLS = 1024
 PROBE_S = 0.01
@@ -441,7 +440,7 @@ def run_in_own_session(timeout: float) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _harness.parser(__doc__, out="responsiveness.json", summary=True)
     ap.add_argument("--mb", type=int, default=400, help="payload size in MiB of fp32 (>= 400 for the must-show)")
     ap.add_argument("--codec", default="lossless")
     ap.add_argument("--interval", type=float, default=0.5)
@@ -449,7 +448,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="transfers per mode (gaps pooled)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=240.0)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "responsiveness.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.modes = args.modes.split(",")
@@ -495,8 +493,7 @@ def main() -> None:
             f"{r['heartbeat_store_max_gap_s']:.3f} s; 10 ms probe max {r['probe_max_gap_s']:.3f} s, "
             f"p99 {r['probe_p99_gap_s']:.3f} s; ok={r['ok']}"
         )
-    args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    _harness.write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

@@ -1,8 +1,9 @@
 """Swarm tests: real `locomm-peer join` processes over hivemind's p2pd and DHT on loopback.
 
 Every peer binds port 0 on 127.0.0.1 and the test reads the real address back from
-the peer's announce file. Each peer runs in its own process group, which the test
-kills at the end, so no p2pd outlives a test.
+the peer's announce file. Peers come from one launcher (locomm/testing/launcher.py, the
+``launcher`` fixture of conftest.py); each runs in its own process group, which is stopped
+at the end (SIGTERM, then SIGKILL to the group), so no p2pd outlives a test.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from locomm.config import RunSpec
 from locomm.data import load_corpus
 from locomm.sim import Simulator
+from locomm.testing.launcher import Launcher, PeerProcess
 from locomm.train import Trainer
 
 pytestmark = pytest.mark.timeout(420)
@@ -49,90 +51,31 @@ def swarm_spec(tmp: Path, max_faults: int = 3, parameter_codec: str = "lossless"
     return path
 
 
-def run_pair(tmp_path: Path, cfg: Path, *args: str) -> list[Peer]:
-    """Two peers (shards 0/2 and 1/2, b joining a) run to the end; both exit 0, and are cleaned up."""
-    peers: list[Peer] = []
+def join(peers: Launcher, name: str, config: Path, *args: str, initial: str | None = None) -> PeerProcess:
+    """`locomm-peer join` on cpu with a log, an announce file and final weights, in ``peers``' folder."""
+    return peers.start(name, *args, config=config, initial_peers=initial, weights=True)
+
+
+Peer = PeerProcess  # what run_pair returns: .weights, .events(), .round(), .tail()
+
+
+def run_pair(tmp_path: Path, cfg: Path, *args: str, launcher: Launcher | None = None) -> list[PeerProcess]:
+    """Two peers (shards 0/2 and 1/2, b joining a) run to the end; both exit 0, and are cleaned up.
+
+    With ``launcher`` (the fixture) the peers are its own and stopped at teardown; else a launcher
+    into ``tmp_path`` stops them before this returns.
+    """
+    peers = launcher if launcher is not None else Launcher(tmp_path)
+    pair: list[PeerProcess] = []
     try:
-        peers.append(Peer(tmp_path, "a", cfg, *args, "--shard", "0/2"))
-        peers.append(Peer(tmp_path, "b", cfg, *args, "--shard", "1/2", initial=peers[0].address()))
-        for p in peers:
-            assert p.wait(timeout=240) == 0, p.errfile.read_text()[-3000:]
+        pair.append(join(peers, "a", cfg, *args, "--shard", "0/2"))
+        pair.append(join(peers, "b", cfg, *args, "--shard", "1/2", initial=pair[0].address()))
+        for p in pair:
+            assert p.wait(timeout=240) == 0, p.tail()
     finally:
-        for p in peers:
-            p.kill_group()
-    return peers
-
-
-class Peer:
-    def __init__(self, tmp: Path, name: str, config: Path, *args: str, initial: str | None = None) -> None:
-        self.log = tmp / f"{name}.jsonl"
-        self.weights = tmp / f"{name}.safetensors"
-        self.addr = tmp / f"{name}.addr"
-        cmd = [
-            sys.executable,
-            "-m",
-            "locomm.cli.main",
-            "join",
-            "--config",
-            str(config),
-            "--device",
-            "cpu",
-            "--log-file",
-            str(self.log),
-            "--final-weights",
-            str(self.weights),
-            "--announce-file",
-            str(self.addr),
-            *args,
-        ]
-        if initial:
-            cmd += ["--initial-peers", initial]
-        self.err = open(tmp / f"{name}.err", "w")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=self.err, stdin=subprocess.DEVNULL, start_new_session=True, env=env
-        )
-        self.errfile = tmp / f"{name}.err"
-
-    def events(self, kind: str | None = None) -> list[dict]:
-        if not self.log.exists():
-            return []
-        out = []
-        for line in self.log.read_text().splitlines():
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if kind is None or e["event"] == kind:
-                out.append(e)
-        return out
-
-    def round(self) -> int:
-        rounds = self.events("round")
-        return rounds[-1]["round"] if rounds else 0
-
-    def address(self, timeout: float = 90) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.addr.exists() and self.addr.read_text().strip():
-                return self.addr.read_text().split()[0]
-            assert self.proc.poll() is None, self.errfile.read_text()[-3000:]
-            time.sleep(0.1)
-        raise TimeoutError("peer did not come up")
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def kill_group(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.err.close()
+        if launcher is None:
+            peers.close()
+    return pair
 
 
 def wait_until(cond, timeout: float, what: str, peers=()) -> None:
@@ -141,7 +84,7 @@ def wait_until(cond, timeout: float, what: str, peers=()) -> None:
         if cond():
             return
         for p in peers:
-            assert p.proc.poll() is None or p.proc.returncode == 0, p.errfile.read_text()[-3000:]
+            assert p.poll() is None or p.returncode == 0, p.tail()
         time.sleep(0.2)
     raise TimeoutError(what)
 
@@ -151,20 +94,20 @@ def flat(path: Path) -> torch.Tensor:
     return torch.cat([w[k].flatten() for k in sorted(w)])
 
 
-def test_three_peers_join_and_kill(tmp_path):
+def test_three_peers_join_and_kill(tmp_path, launcher):
     """3 peers train; a 4th joins mid-run and syncs state; one is SIGKILLed; the rest finish."""
     cfg = swarm_spec(tmp_path)
     end = "--until-round", "60"
-    peers: list[Peer] = []
+    peers: list[PeerProcess] = []
     try:
-        peers.append(Peer(tmp_path, "p0", cfg, *end, "--wait-for-peers", "3", "--shard", "0/4"))
+        peers.append(join(launcher, "p0", cfg, *end, "--wait-for-peers", "3", "--shard", "0/4"))
         boot = peers[0].address()
         peers += [
-            Peer(tmp_path, f"p{i}", cfg, *end, "--wait-for-peers", "3", "--shard", f"{i}/4", initial=boot)
+            join(launcher, f"p{i}", cfg, *end, "--wait-for-peers", "3", "--shard", f"{i}/4", initial=boot)
             for i in (1, 2)
         ]
         wait_until(lambda: min(p.round() for p in peers) >= 3, 180, "3 peers reach round 3", peers)
-        joiner = Peer(tmp_path, "p3", cfg, *end, "--shard", "3/4", initial=boot)
+        joiner = join(launcher, "p3", cfg, *end, "--shard", "3/4", initial=boot)
         peers.append(joiner)
         wait_until(
             lambda: (
@@ -176,13 +119,12 @@ def test_three_peers_join_and_kill(tmp_path):
             "the joiner syncs and trains a round",
             peers,
         )
-        os.kill(peers[1].proc.pid, signal.SIGKILL)  # the peer process only; its p2pd is orphaned
+        peers[1].kill()  # the peer process only; its p2pd is orphaned
         survivors = [peers[0], peers[2], joiner]
         for p in survivors:
-            assert p.wait(timeout=240) == 0, p.errfile.read_text()[-3000:]
+            assert p.wait(timeout=240) == 0, p.tail()
     finally:
-        for p in peers:
-            p.kill_group()
+        launcher.close()  # every peer's group, the orphaned p2pd too (the fixture would, at teardown)
 
     synced = joiner.events("synced")[0]
     assert synced["donor_round"] >= 3 and joiner.events("started")[0]["round"] >= synced["donor_round"]
@@ -216,7 +158,7 @@ def test_three_peers_join_and_kill(tmp_path):
 
 
 @pytest.mark.parametrize("codec", ["lossless", "bf16+lossless"])
-def test_two_peer_noloco_matches_simulator(tmp_path, codec):
+def test_two_peer_noloco_matches_simulator(tmp_path, launcher, codec):
     """Deterministic 2-peer NoLoCo over the network gives the simulator's weights, and counts its bytes.
 
     NoLoCo sends theta alone (gamma == alpha); with bf16+lossless both transports round the partner's
@@ -226,7 +168,7 @@ def test_two_peer_noloco_matches_simulator(tmp_path, codec):
     rounds = 3
     spec = RunSpec.load(cfg)
     args = ("--until-round", str(rounds), "--no-overlap", "--wait-for-peers", "2")
-    peers = run_pair(tmp_path, cfg, *args)
+    peers = run_pair(tmp_path, cfg, *args, launcher=launcher)
     for p in peers:
         assert all(e["answered"] == 1 for e in p.events("round")), p.events("round")
     sim = Simulator(spec, 2, overlap=False)  # the daemon ran with --no-overlap
@@ -245,7 +187,7 @@ def test_two_peer_noloco_matches_simulator(tmp_path, codec):
         assert delivered == pytest.approx(res.bytes_sent[w], rel=0.01), (fin, res.bytes_sent)
 
 
-def test_malformed_messages_get_error_codes(tmp_path):
+def test_malformed_messages_get_error_codes(tmp_path, launcher):
     """Garbage, wrong versions, oversized and non-finite payloads are answered with codes; the peer trains on."""
     import asyncio
 
@@ -257,7 +199,7 @@ def test_malformed_messages_get_error_codes(tmp_path):
 
     cfg = swarm_spec(tmp_path, max_faults=9, inner_steps=50)  # rounds of a second or so: see push() below
     spec = RunSpec.load(cfg)
-    peer = Peer(tmp_path, "target", cfg, "--until-round", "100000", "--checkpoint-dir", str(tmp_path / "ck"))
+    peer = join(launcher, "target", cfg, "--until-round", "100000", "--checkpoint-dir", str(tmp_path / "ck"))
     try:
         boot = peer.address()
         wait_until(lambda: peer.events("started"), 60, "peer starts", [peer])
@@ -355,10 +297,10 @@ def test_malformed_messages_get_error_codes(tmp_path):
             "after_nine_faults": ErrorCode.BANNED,
         }
         wait_until(lambda: peer.round() >= started["round"] + 5, 120, "training goes on", [peer])
-        peer.proc.send_signal(signal.SIGINT)  # a clean stop: finish the step, checkpoint, shut down
-        assert peer.wait(timeout=120) == 0, peer.errfile.read_text()[-3000:]
+        peer.send_signal(signal.SIGINT)  # a clean stop: finish the step, checkpoint, shut down
+        assert peer.wait(timeout=120) == 0, peer.tail()
     finally:
-        peer.kill_group()
+        peer.stop()
     fin = peer.events("finished")[0]
     # It trained on: its training loss fell. (Not the validation loss: this peer runs until the probe is done,
     # which under load is thousands of steps on a 1 MB corpus, and a nano model overfits that.)

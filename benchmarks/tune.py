@@ -106,11 +106,6 @@ def base_spec(seed: int) -> Any:
     )
 
 
-def write_atomic(path: Path, obj: Any) -> None:
-    """One run's JSON, atomically and with platform metadata (benchmarks/_harness.py)."""
-    _harness.write_json(path, obj)
-
-
 def run_point(
     algo: str, kw: dict[str, Any], seed: int, splits: Any, *, workers: int = WORKERS, eval_every: int = ROUNDS
 ) -> dict[str, Any]:
@@ -217,7 +212,7 @@ def cmd_run(a: argparse.Namespace) -> None:
         if _harness.done(path):
             continue
         r = run_point(algo, kw, TUNE_SEED, splits)
-        write_atomic(path, r)
+        _harness.write_json(path, r)
         print(f"sweep {algo:10s} {point_name(kw):45s} val {r['final_val_loss']:.4f} ({r['real_s']:.0f} s)", flush=True)
     for entry, (algo, where) in ENTRIES.items():
         if algo not in a.algos:
@@ -230,7 +225,7 @@ def cmd_run(a: argparse.Namespace) -> None:
             if _harness.done(path):
                 continue
             r = run_point(algo, b["params"], seed, splits, eval_every=5)
-            write_atomic(path, r)
+            _harness.write_json(path, r)
             print(
                 f"confirm {entry:32s} seed {seed} {point_name(b['params'])} val {r['final_val_loss']:.4f} "
                 f"({r['real_s']:.0f} s)",
@@ -297,7 +292,7 @@ def cmd_table(a: argparse.Namespace) -> None:
             f"{dflt} | {r['bytes_sent_per_worker'] / 1e6:.2f} | {100 * r['util_80mbit_het']:.0f}% |"
         )
     if a.json:
-        write_atomic(OUT / "table.json", rows)
+        _harness.write_json(OUT / "table.json", rows)
 
 
 def aggregation_path(workers: int, algo: str, kw: dict[str, Any]) -> Path:
@@ -333,7 +328,7 @@ def cmd_aggregation(a: argparse.Namespace) -> None:
     for workers, algo, kw in runs:
         path = aggregation_path(workers, algo, kw)
         if not _harness.done(path):
-            write_atomic(path, run_point(algo, kw, TUNE_SEED, splits, workers=workers))
+            _harness.write_json(path, run_point(algo, kw, TUNE_SEED, splits, workers=workers))
         r = load(path)
         print(
             f"{algo:10s} {point_name(kw):70s} x{workers:<3d} val {r['final_val_loss']:.4f}  "
@@ -380,7 +375,7 @@ def cmd_norms(a: argparse.Namespace) -> None:
                 f"|all| / |dense| {r['all_over_dense']:.3f}, senders / all {r['senders_over_all']:.2f}, "
                 f"indices sent by one worker {100 * r['indices_sent_by_one']:.0f}%"
             )
-    write_atomic(OUT / "aggregation" / "norms.json", rows)
+    _harness.write_json(OUT / "aggregation" / "norms.json", rows)
 
 
 def main() -> None:

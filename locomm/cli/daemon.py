@@ -41,9 +41,9 @@ def run_node(
     try:
         try:
             if stage is not None:  # pipeline mode: serve one stage (locomm/peer/stage.py)
-                from locomm.peer.stage import PipelineNode  # noqa: PLC0415
+                from locomm.peer.stage import Stage  # noqa: PLC0415
 
-                node = PipelineNode(spec, NodeOptions(reporter=reporter, **options), stage=stage)
+                node = Stage(spec, NodeOptions(reporter=reporter, **options), stage=stage)
             else:
                 node = Node(spec, NodeOptions(reporter=reporter, **options))
         except ConfigError as e:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -79,6 +81,46 @@ class AveragerExchange:
         """The group's mean payload and the group's size; None when no group formed in time."""
         return await asyncio.to_thread(self._step, payload)
 
+    async def round(self, me: str, payload: Mapping[str, torch.Tensor]) -> tuple[dict, int, int]:
+        """One DiLoCo round: (what the outer rule takes, partners that averaged with us, bytes moved)."""
+        out = await self.exchange(payload)
+        if out is None:
+            return {me: payload}, 0, 0
+        mean, group = out
+        # hivemind keeps no byte counters: a butterfly all-reduce over N peers sends (and receives)
+        # (N-1)/N of the payload twice (scatter-reduce, then all-gather of the averaged parts).
+        nbytes = sum(v.numel() * v.element_size() for v in payload.values())
+        return {"group-mean": mean}, group - 1, int(2 * nbytes * (group - 1) / max(1, group))
+
     def shutdown(self) -> None:
         self.averager.shutdown()
         self.dht.shutdown()
+
+
+async def start_averager(host: Any, codec: Any, *, group_size: int | None) -> AveragerExchange:
+    """The DiLoCo averager of a node on ``host`` (a :class:`locomm.peer.host.Host`), bootstrapped from the
+    averager addresses in the swarm's heartbeats; the host shuts it down on exit."""
+    bootstrap: list[str] = []
+    joiner = bool(host.opts.initial_peers)
+    for _ in range(120 if joiner else 1):  # a joiner needs someone's averager address
+        bootstrap = [m for b in await host.read_beats() if b.peer != host.me for m in b.avg_maddrs]
+        if bootstrap or not joiner:
+            break
+        await asyncio.sleep(0.5)
+    names = [t.name for t in codec.tensors]
+    shapes = {t.name: torch.Size(t.shape) for t in codec.tensors}
+    # Built on the loop's thread: DecentralizedAverager installs signal handlers, which only the
+    # main thread may do. It blocks the loop for a moment at start-up, before any training.
+    # The all-reduce's deadline is sized by its bytes like every transfer's (protocol/timing.py).
+    payload_bytes = 4 * sum(math.prod(t.shape) for t in codec.tensors)
+    averager = AveragerExchange(
+        names,
+        shapes,
+        run_id=host.run_id,
+        initial_peers=bootstrap,
+        timeout=host.spec.network.request_timeout_s,
+        allreduce_timeout=host.limits.allreduce_deadline_s(payload_bytes),
+        group_size=group_size,
+    )
+    host.on_close.append(averager.shutdown)
+    return averager

@@ -198,3 +198,21 @@ async def fetch_state(
     if set(got) != set(entries):
         return None
     return rnd, got
+
+
+def state_tensors(model: Mapping[str, torch.Tensor], algo: Any) -> dict[str, torch.Tensor]:
+    """The tensors a state download carries: ``model/<name>`` weights and ``outer/<name>`` outer state."""
+    return {
+        **{f"model/{k}": v for k, v in model.items()},
+        **{f"outer/{k}": v for k, v in algo.state_dict().items()},
+    }
+
+
+def load_state(tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], algo: Any) -> None:
+    """Copy a downloaded state (:func:`state_tensors`' layout) into the live weights and the outer algorithm."""
+    model = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
+    outer = {k[len("outer/") :]: v for k, v in tensors.items() if k.startswith("outer/")}
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(model[k])
+    algo.load_state_dict(outer)

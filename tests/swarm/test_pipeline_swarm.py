@@ -53,7 +53,7 @@ async def probe(boot: str, spec: RunSpec) -> dict[str, list[int]]:
         targets: list[str] = []
         deadline = time.monotonic() + 120
         while len(targets) < 2 and time.monotonic() < deadline:
-            targets = [b.peer for b in await read_heartbeats(dht, run) if b.fields.get("stage") == 1]
+            targets = [b.peer for b in await read_heartbeats(dht, run) if b.stage == 1]
             await asyncio.sleep(0.5)
         coder = BoundaryCoder(spec, Geometry.of(spec))
         B, T = 4, spec.data.seq_len
@@ -114,7 +114,7 @@ async def probe(boot: str, spec: RunSpec) -> dict[str, list[int]]:
                 writer.close()
 
         # The heartbeats carry each peer's stage (what `locomm-peer status` shows per stage).
-        stages = sorted(b.fields["stage"] for b in await read_heartbeats(dht, run) if b.fields.get("stage", -1) >= 0)
+        stages = sorted(b.stage for b in await read_heartbeats(dht, run) if b.stage is not None)
         out: dict[str, list[int]] = {"status_stages": stages}
         for target in targets:
             codes = []

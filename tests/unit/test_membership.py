@@ -16,7 +16,7 @@ PEERS = ["pa", "pb", "pc", "pd", "pe", "pf"]
 
 
 def beats(round_idx: int) -> list[Heartbeat]:
-    return [Heartbeat(p, round_idx, 0, {}, 0.0) for p in PEERS]
+    return [Heartbeat(peer=p, round=round_idx, join_round=0) for p in PEERS]
 
 
 def test_groups_identical_across_peers_while_one_has_banned_another():

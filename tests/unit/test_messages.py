@@ -87,11 +87,11 @@ def test_body_limit_and_frame_limits():
 
 
 def test_members_for_round():
-    beats = [Heartbeat("b", 5, 0, {}, 0.0), Heartbeat("c", 5, 7, {}, 0.0), Heartbeat("d", 5, 0, {}, 0.0)]
+    beats = [Heartbeat(peer="b", round=5), Heartbeat(peer="c", round=5, join_round=7), Heartbeat(peer="d", round=5)]
     assert members_for_round(beats, 5, "a") == ["a", "b", "d"]
     assert members_for_round(beats, 7, "a") == ["a", "b", "c", "d"]
     # A peer whose round counter stopped (it died) drops out for everyone at the same round.
-    beats.append(Heartbeat("e", 4, 0, {}, 0.0))
+    beats.append(Heartbeat(peer="e", round=4))
     assert members_for_round(beats, 7, "a") == ["a", "b", "c", "d", "e"]
     assert members_for_round(beats, 8, "a") == ["a", "b", "c", "d"]
 

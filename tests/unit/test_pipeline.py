@@ -210,11 +210,10 @@ def test_status_shows_stage_replicas():
 
 
 def test_stage_auto_picks_the_stage_with_fewest_fresh_replicas():
-    from locomm.peer.stage import pick_stage
-    from locomm.peer.swarm import Heartbeat
+    from locomm.protocol.membership import Heartbeat, pick_stage
 
     def beat(peer: str, stage: int, age: float, **f) -> Heartbeat:
-        return Heartbeat(peer, 0, 0, {"stage": stage, "time": 100.0 - age, **f}, 1e9)
+        return Heartbeat.parse(peer, {"stage": stage, "time": 100.0 - age, **f}, 1e9)
 
     beats = [
         beat("a", 0, 1),

@@ -1,0 +1,387 @@
+"""One host for every peer mode: P2P and the DHT node, the settled spec, the RPC server, heartbeats,
+metrics, the event log and shutdown.
+
+A driver (the data-parallel :class:`locomm.peer.node.Node`, the pipeline :class:`locomm.peer.stage.Stage`)
+composes a host; it does not inherit one::
+
+    async with Host(spec, opts, authorize_policy) as host:   # everything is up here
+        host.serve(service, ...)                              # add the driver's services
+        host.spawn(coro)                                      # tasks the host awaits on exit
+        ...
+
+``__aenter__`` creates everything (so no attribute appears later, and no driver needs ``hasattr``);
+``__aexit__`` stops every task the host started (they run in one ``asyncio.TaskGroup``), awaits them,
+and shuts the services, the DHT node and p2pd down, in that order, whatever happened.
+
+The heartbeat is the driver's: it hands the host a function that returns its current
+:class:`~locomm.protocol.membership.Heartbeat`, and the host stores it every
+``heartbeat_interval_s`` (and when asked, e.g. after each round).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hivemind.dht import DHTNode
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from locomm import PROTOCOL_VERSION
+from locomm.compression.payload import PayloadCodec
+from locomm.config import ConfigError, RunSpec
+from locomm.peer.gossip import Faults, Gossip
+from locomm.peer.metrics import EventLog, Metrics
+from locomm.peer.rpc import RpcServer, Service
+from locomm.peer.state import fetch_state
+from locomm.peer.swarm import fetch_spec, publish_spec, read_heartbeats, store_heartbeat
+from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat
+from locomm.protocol.timing import Limits
+
+log = logging.getLogger(__name__)
+
+
+class SpecMismatch(ConfigError):
+    """The swarm runs a different spec or protocol version than this peer was given."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeOptions:
+    """Local settings of one node (never part of the shared run spec)."""
+
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    identity: Path | None = None
+    device: str = "auto"
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 5
+    """Rounds between checkpoints (and one at shutdown)."""
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics server binds (0.0.0.0: every interface, e.g. in a container)."""
+    log_file: Path | None = None
+    rounds: int | None = None
+    """Stop after this many rounds (default: the rounds spec.train.steps allows)."""
+    wait_for_peers: int = 0
+    """Before the first round, wait (up to a minute) until this many peers, self included, are admitted."""
+    until_round: int | None = None
+    """Stop when the swarm's round counter reaches this (all peers of a local swarm end together)."""
+    shard: tuple[int, int] | None = None
+    """(index, count) of this node's data shard; default: derived from the peer id."""
+    overlap: bool = True
+    announce_file: Path | None = None
+    """Write this node's multiaddrs here once it is up (used by `locomm-peer swarm`)."""
+    final_weights: Path | None = None
+    """Write the final outer weights here (safetensors) on a clean finish."""
+    spec_from_user: bool = True
+    """False when the spec is only a default: a joiner then takes the swarm's without comparing."""
+    reporter: Any = None
+    """Shows the user what the node is doing (locomm.cli.display.JoinReporter): ``update(status)``
+    about twice a second, ``round_done(status)`` after each round, ``finish(summary)`` at exit."""
+
+
+class Host:
+    """A peer's runtime, shared by every driver (see the module docstring)."""
+
+    def __init__(self, spec: RunSpec, opts: NodeOptions) -> None:
+        self.spec = spec
+        self.opts = opts
+        self.stop = asyncio.Event()
+        self.events = EventLog(opts.log_file)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locomm-compute")
+        self.codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="locomm-codec")
+        self.beats: dict[str, Heartbeat] = {}
+        self.heartbeat: Callable[[], Heartbeat] | None = None
+        """The driver's current heartbeat; None until the driver sets it (then the loop publishes it)."""
+        self.on_close: list[Callable[[], Any]] = []
+        """Blocking clean-ups of the driver's (e.g. DiLoCo's averager), run in a thread before the DHT stops."""
+        self.t_launch = time.perf_counter()
+        self._tg: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._refresh: asyncio.Task | None = None
+        self._unknown_read = 0.0
+        self.p2p: P2P
+        self.dht: DHTNode
+        self.me: str
+        self.maddrs: list[Any]
+        self.run_id: str
+        self.limits: Limits
+        self.faults: Faults
+        self.rpc: RpcServer
+        self.metrics: Metrics
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> Host:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stop.set)
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        try:
+            initial = list(self.opts.initial_peers) or None
+            self.p2p = await P2P.create(
+                initial_peers=initial,
+                host_maddrs=list(self.opts.host_maddrs),
+                announce_maddrs=list(self.opts.announce_maddrs) or None,
+                identity_path=str(self.opts.identity) if self.opts.identity else None,
+            )
+            self.me = self.p2p.peer_id.to_base58()
+            self.maddrs = await self.p2p.get_visible_maddrs()
+            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial)
+            await self._settle_spec()
+            net = self.spec.network
+            self.run_id = self.spec.hash()[:16]
+            self.limits = Limits.from_network(net)
+            self.faults = Faults(net.max_faults_before_ban)
+            self.rpc = RpcServer(
+                self.p2p,
+                self.run_id,
+                self.limits,
+                self.codec_pool,
+                authorize=self.authorize,
+                is_banned=lambda peer: peer in self.faults.banned,
+                on_fault=self.faults.record,
+            )
+            self.metrics = Metrics(self.opts.metrics_port, self.me, host=self.opts.metrics_host)
+        except BaseException as e:
+            await self.__aexit__(type(e), e, e.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.stop.set()
+        for task in list(self._tasks):
+            task.cancel()
+        try:
+            if self._tg is not None:
+                tg, self._tg = self._tg, None
+                try:
+                    await tg.__aexit__(exc_type, exc, tb)
+                except BaseExceptionGroup as eg:  # a task's own error: raise it, not the group
+                    first = next((e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError)), None)
+                    if first is not None and exc is None:
+                        raise first from None
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        for fn in self.on_close:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(fn)
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+        for name in ("dht", "p2p"):
+            svc = getattr(self, name, None)
+            if svc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(svc.shutdown(), 10)
+        self.pool.shutdown(wait=True)
+        self.codec_pool.shutdown(wait=False, cancel_futures=True)
+        self.events.close()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, background: bool = False) -> asyncio.Task:
+        """Start a task the host stops and awaits on exit.
+
+        With ``background`` an error is logged and the task ends (a missed heartbeat is not fatal); otherwise
+        an error stops the whole host, as an error in the driver's own code would.
+        """
+        assert self._tg is not None, "the host is not running"
+        if background:
+            coro = _logged(coro)
+        task = self._tg.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- the spec ----------------------------------------------------------------------
+
+    async def _settle_spec(self) -> None:
+        if not self.opts.initial_peers:
+            await publish_spec(self.dht, self.spec.hash(), self.spec.to_toml())
+            return
+        remote = None
+        for _ in range(20):
+            remote = await fetch_spec(self.dht)
+            if remote is not None:
+                break
+            await asyncio.sleep(0.5)
+        if remote is None:
+            raise SpecMismatch("no run spec found in the swarm (is --initial-peers right?)")
+        if remote["version"] != PROTOCOL_VERSION:
+            raise SpecMismatch(
+                f"the swarm speaks protocol {remote['version']}, this peer {PROTOCOL_VERSION}; upgrade locomm"
+            )
+        if self.opts.spec_from_user and remote["hash"] != self.spec.hash():
+            raise SpecMismatch(
+                f"the swarm's run spec {remote['hash'][:12]} differs from yours "
+                f"{self.spec.hash()[:12]}; join without --config to take the swarm's"
+            )
+        spec = RunSpec.from_toml(remote["toml"])
+        if spec.hash() != remote["hash"]:
+            raise SpecMismatch("the swarm's published spec does not match its own hash")
+        self.spec = spec
+
+    # -- services and compute ----------------------------------------------------------
+
+    def gossip(self, codec: PayloadCodec) -> Gossip:
+        """The exchange service of this run over ``codec`` (not yet served)."""
+        cfg = self.spec.network
+        return Gossip(
+            self.p2p,
+            self.rpc,
+            run_id=self.run_id,
+            me=self.me,
+            codec=codec,
+            limits=self.limits,
+            faults=self.faults,
+            max_body_bytes=int(cfg.max_message_mb * 2**20),
+            streams=cfg.streams_per_transfer,
+            parallel_threshold=int(cfg.parallel_threshold_mb * 2**20),
+            max_wait_s=cfg.max_wait_s,
+        )
+
+    async def fetch_state(self, donors: list[str]) -> tuple[int, dict[str, Any]] | None:
+        """The newest state most of ``donors`` agree on (see ``peer/state.py``), or None."""
+        return await fetch_state(
+            self.p2p,
+            run_id=self.run_id,
+            me=self.me,
+            donors=donors,
+            limits=self.limits,
+            max_bytes=int(self.spec.network.max_message_mb * 2**20) * 4,
+            on_fault=self.faults.record,
+        )
+
+    async def serve(self, *services: Service) -> None:
+        for s in services:
+            await self.rpc.add(s)
+
+    async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` in the compute thread (the loop never blocks on a forward pass)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def default_shard(self) -> tuple[int, int]:
+        return self.opts.shard or (int(self.me.encode().hex()[-8:], 16) % 64, 64)
+
+    def announce(self) -> None:
+        """Write our addresses where `locomm-peer swarm` (or a test) waits for them."""
+        if self.opts.announce_file:
+            self.opts.announce_file.write_text("\n".join(str(m) for m in self.maddrs) + "\n")
+
+    # -- heartbeats --------------------------------------------------------------------
+
+    async def read_beats(self) -> list[Heartbeat]:
+        beats = await read_heartbeats(self.dht, self.run_id)
+        self.beats = {b.peer: b for b in beats}
+        return beats
+
+    async def publish(self, beat: Heartbeat | None = None) -> None:
+        """Store our heartbeat now (the driver's current one unless given)."""
+        beat = beat if beat is not None else self.heartbeat() if self.heartbeat is not None else None
+        if beat is None:
+            return
+        # The record outlives the membership lag (MEMBER_LAG_ROUNDS rounds), so a peer that died drops out of
+        # every peer's member list by its frozen round counter, at the same round, not by a clock.
+        ttl = max(self.spec.network.heartbeat_ttl_s, (MEMBER_LAG_ROUNDS + 2) * beat.round_s)
+        await store_heartbeat(self.dht, self.run_id, self.me, beat.record(), ttl)
+
+    def publish_soon(self) -> None:
+        """Store our heartbeat in the background (fresh round numbers keep joiners' choices right)."""
+        self.spawn(self.publish(), background=True)
+
+    def start_heartbeats(self) -> None:
+        self.spawn(self._heartbeat_loop())
+
+    async def _heartbeat_loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                await self.read_beats()
+                await self.publish()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a missed heartbeat is not fatal
+                log.warning("heartbeat failed: %s", e)
+            await self.sleep(self.spec.network.heartbeat_interval_s)
+
+    async def wait_for(self, ready: Callable[[list[Heartbeat]], bool], timeout: float, what: str) -> None:
+        """Read the heartbeats until ``ready(beats)`` (or ``timeout``, then start anyway, saying so)."""
+        deadline = time.monotonic() + timeout
+        while not self.stop.is_set():
+            if ready(await self.read_beats()):
+                return
+            if time.monotonic() > deadline:
+                log.warning("no %s after %.0f s; starting anyway", what, timeout)
+                return
+            await asyncio.sleep(0.25)
+
+    async def settle_view(self, reads: int = 10) -> None:
+        """A joiner's first DHT reads can return part of the swarm (its routing table is still filling):
+        read until two reads in a row see the same peers, so its first groups are everyone's groups."""
+        seen: set[str] = set()
+        for _ in range(reads):
+            now = {b.peer for b in await self.read_beats()}
+            if now == seen:
+                return
+            seen = now
+            await asyncio.sleep(0.5)
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep, waking early when the host is stopped."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), seconds)
+
+    async def authorize(self, remote: str, policy: str) -> bool:
+        """The services' authorize hook: members for gossip, any announced peer for state sync and stages."""
+        beat = self.beats.get(remote)
+        if beat is None:  # a peer we have not seen yet: one DHT read, shared by its concurrent streams
+            if self._refresh is None or (self._refresh.done() and time.monotonic() - self._unknown_read > 0.5):
+                self._unknown_read = time.monotonic()
+                self._refresh = self.spawn(self.read_beats(), background=True)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._refresh)
+            beat = self.beats.get(remote)
+        if beat is None:
+            return False
+        return policy == "announced" or beat.admitted
+
+    def dht_now(self) -> float:
+        return get_dht_time()
+
+    # -- the user's view ---------------------------------------------------------------
+
+    def start_reporter(self, status: Callable[[], dict[str, Any]]) -> None:
+        if self.opts.reporter is not None:
+            self.spawn(self._report_loop(status))
+
+    async def _report_loop(self, status: Callable[[], dict[str, Any]]) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                self.opts.reporter.update(status())
+            await self.sleep(0.5)
+
+    def report(self, method: str, arg: dict[str, Any]) -> None:
+        """``reporter.round_done(...)`` / ``finish(...)``; a display error never stops the node."""
+        if self.opts.reporter is not None:
+            with contextlib.suppress(Exception):
+                getattr(self.opts.reporter, method)(arg)
+
+
+async def _logged(coro: Coroutine[Any, Any, Any]) -> Any:
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.warning("background task failed: %s: %s", type(e).__name__, e)
+        return None

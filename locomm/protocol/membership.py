@@ -1,0 +1,220 @@
+"""Membership, sans-IO: the typed heartbeat record, the members of a round, and the stage choice.
+
+A heartbeat is what one peer publishes about itself in the DHT (``peer/swarm.py`` moves it). Every
+field is parsed and checked here, once, when a record is read: :meth:`Heartbeat.parse` returns
+``None`` for a record with any bad field (wrong type, not finite, out of range, too long), so one
+malformed record from any peer is a dropped record, never an exception inside a round loop.
+
+The members of round r are the live peers whose ``join_round <= r`` and whose last round is not far
+behind r (:func:`members_for_round`), sorted by peer id. A joiner announces a join_round a little
+ahead of the swarm, so every peer includes it from the same round on. Local bans never change the
+members: a banned partner is skipped at exchange time instead.
+
+Nothing here does I/O or reads a clock: ``now`` is passed in (DHT time, seconds since the epoch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+MEMBER_LAG_ROUNDS = 3
+"""A peer whose last heartbeat is more than this many rounds behind round r is not a member of r."""
+NOT_ADMITTED = 2**31 - 1
+"""join_round of a joiner that has not synced yet: nobody counts it as a member."""
+MAX_ROUND = 2**31 - 1
+MAX_ADDRS = 16
+MAX_ADDR_LEN = 256
+MAX_VERSION_LEN = 64
+
+
+class BadField(ValueError):
+    """A heartbeat field of the wrong type, or out of its range."""
+
+
+def _int(v: Any, lo: int = 0, hi: int = MAX_ROUND) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadField(f"not an int in [{lo}, {hi}]: {v!r}")
+    return v
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise BadField(f"not a finite number: {v!r}")
+    return float(v)
+
+
+def _nonneg(v: Any) -> float:
+    x = _float(v)
+    if x < 0:
+        raise BadField(f"negative: {v!r}")
+    return x
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else _float(v)
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise BadField(f"not a bool: {v!r}")
+    return v
+
+
+def _str(v: Any, n: int = MAX_VERSION_LEN) -> str:
+    if not isinstance(v, str) or len(v) > n:
+        raise BadField(f"not a string of at most {n} characters")
+    return v
+
+
+def _addrs(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list | tuple) or len(v) > MAX_ADDRS:
+        raise BadField(f"not a list of at most {MAX_ADDRS} addresses")
+    return tuple(_str(m, MAX_ADDR_LEN) for m in v)
+
+
+def _stage(v: Any) -> int | None:
+    return None if v is None or v == -1 else _int(v, 0, 1024)
+
+
+_PARSE = {
+    "round": _int,
+    "join_round": _int,
+    "step": lambda v: _int(v, 0, 2**62),
+    "time": _nonneg,
+    "version": _str,
+    "maddrs": _addrs,
+    "avg_maddrs": _addrs,
+    "started": _bool,
+    "finished": _bool,
+    "loss": _opt_float,
+    "val_loss": _opt_float,
+    "tokens_per_s": _nonneg,
+    "bytes_sent": lambda v: _int(v, 0, 2**62),
+    "last_exchange": _opt_float,
+    "round_t0": _opt_float,
+    "round_s": _nonneg,
+    "up_Bps": _nonneg,
+    "partners": lambda v: _int(v, 0, 1 << 16),
+    "faults": lambda v: _int(v, 0, 2**62),
+    "banned": lambda v: _int(v, 0, 2**62),
+    "stage": _stage,
+    "clock": lambda v: _int(v, 0, 2**62),
+    "mb_per_s": _nonneg,
+    "microbatches": lambda v: _int(v, 0, 2**62),
+    "rerouted": lambda v: _int(v, 0, 2**62),
+    "lost": lambda v: _int(v, 0, 2**62),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat:
+    """One peer's published state, every field typed and checked (see :meth:`parse`)."""
+
+    peer: str
+    round: int = 0
+    """The round this peer is in (pipeline: its data clock // H)."""
+    join_round: int = 0
+    """The first round this peer is a member of (NOT_ADMITTED before it synced)."""
+    step: int = 0
+    time: float = 0.0
+    """DHT time the record was written."""
+    expires: float = math.inf
+    version: str = ""
+    maddrs: tuple[str, ...] = ()
+    avg_maddrs: tuple[str, ...] = ()
+    """DiLoCo only: the addresses of this peer's hivemind averager DHT."""
+    started: bool = False
+    finished: bool = False
+    loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_s: float = 0.0
+    bytes_sent: int = 0
+    last_exchange: float | None = None
+    # What partners need for an ETA of this peer's payload (protocol/timing.py).
+    round_t0: float | None = None
+    """Wall-clock time this peer's current round's compute began."""
+    round_s: float = 0.0
+    """How long a round takes this peer (an EMA); 0 before its first round."""
+    up_Bps: float = 0.0
+    partners: int = 0
+    faults: int = 0
+    banned: int = 0
+    # Pipeline mode.
+    stage: int | None = None
+    clock: int = 0
+    mb_per_s: float = 0.0
+    microbatches: int = 0
+    rerouted: int = 0
+    lost: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    """Fields this version does not know (a newer peer's), kept for display only."""
+
+    @classmethod
+    def parse(cls, peer: Any, value: Any, expires: float = math.inf) -> Heartbeat | None:
+        """The heartbeat in a DHT value, or None when the record is malformed in any field."""
+        if not isinstance(peer, str) or not 0 < len(peer) <= 128 or not isinstance(value, Mapping):
+            return None
+        known: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        try:
+            for k, v in value.items():
+                parse = _PARSE.get(k)
+                if parse is not None:
+                    known[k] = parse(v)
+                elif isinstance(k, str) and len(extra) < 16:
+                    extra[k] = v
+            return cls(peer=peer, expires=_float(expires) if math.isfinite(expires) else expires, extra=extra, **known)
+        except (BadField, TypeError):
+            return None
+
+    def record(self) -> dict[str, Any]:
+        """The DHT value for this heartbeat (what :meth:`parse` reads back), without peer and expiry."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for k in ("peer", "expires", "extra"):
+            del out[k]
+        out["maddrs"], out["avg_maddrs"] = list(self.maddrs), list(self.avg_maddrs)
+        out["stage"] = -1 if self.stage is None else self.stage
+        return out
+
+    @property
+    def admitted(self) -> bool:
+        return self.join_round < NOT_ADMITTED
+
+
+def members_for_round(
+    beats: Iterable[Heartbeat], round_idx: int, me: str, fresh_s: float = 0.0, now: float = 0.0
+) -> list[str]:
+    """The members of round r, from a snapshot every peer reads alike.
+
+    A peer is a member of r when it was admitted by r (``join_round <= r``) and either its last published
+    round is at least ``r - MEMBER_LAG_ROUNDS`` or its heartbeat is younger than ``fresh_s`` at ``now`` (a
+    live peer that is merely slow stays in). A peer that died drops out when both fail: its frozen round
+    counter is content every peer reads alike, so where rounds are longer than the heartbeat TTL (any real
+    run) it drops out for everyone at the same round, whenever each one reads.
+    """
+    members = {
+        h.peer
+        for h in beats
+        if h.join_round <= round_idx and (h.round >= round_idx - MEMBER_LAG_ROUNDS or now - h.time < fresh_s)
+    }
+    members.add(me)
+    return sorted(members)
+
+
+def live(beats: Iterable[Heartbeat], now: float, fresh_s: float, *, stage: int | None = None) -> list[Heartbeat]:
+    """Unfinished peers whose heartbeat is younger than ``fresh_s`` (of one ``stage``, when given)."""
+    return [b for b in beats if not b.finished and now - b.time < fresh_s and (stage is None or b.stage == stage)]
+
+
+def pick_stage(beats: Iterable[Heartbeat], stages: int, me: str, fresh_s: float = math.inf, now: float = 0.0) -> int:
+    """``--stage auto``: the stage with the fewest live replicas (a heartbeat younger than ``fresh_s``),
+    ties to the lowest."""
+    counts = [0] * stages
+    for b in live(beats, now, fresh_s):
+        if b.peer != me and b.stage is not None and b.stage < stages:
+            counts[b.stage] += 1
+    return min(range(stages), key=lambda s: (counts[s], s))

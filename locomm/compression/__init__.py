@@ -5,7 +5,8 @@ Public API::
     codec = get_codec("lossless")                 # or "topk2bit", "bf16+lossless", ...
     data = codec.encode(tensor)                   # bytes
     tensor = codec.decode(data)                   # CodecError on bad input
-    codec = codec_for_role(TensorRole.ACTIVATION, {"activation": "bf16+lossless"})
+    choice = codec_choice(TensorRole.PARAMETER, spec.compression)  # the one codec decision
+    codec = choice.build()                        # stack "lossless"
 
 Codecs: ``lossless`` (bit-exact exponent coding), ``topk2bit`` (SparseLoCo),
 ``scape`` (SCAPE masks), ``blockwise8`` (bitsandbytes), ``fp16``/``bf16``
@@ -23,7 +24,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from locomm.compression.base import Codec, CodecError, PartsCodec, TensorRole
+from locomm.compression.choice import CodecChoice, codec_choice
 from locomm.compression.stack import CodecStack
+from locomm.config import CompressionConfig
 
 # name -> "module:Class"; modules import lazily so unused dependencies never load.
 _REGISTRY: dict[str, str] = {
@@ -35,14 +38,6 @@ _REGISTRY: dict[str, str] = {
     "bf16": "locomm.compression.cast:Bf16Codec",
     "subspace": "locomm.compression.subspace:SubspaceCodec",
 }
-
-DEFAULT_ROLE_CODECS: dict[TensorRole, str] = {
-    TensorRole.PARAMETER: "lossless",
-    TensorRole.OUTER_GRADIENT: "lossless",
-    TensorRole.ACTIVATION: "bf16+lossless",
-    TensorRole.ACT_GRADIENT: "bf16+lossless",
-}
-"""Safe defaults: lossless where precision matters, bf16 for pipeline traffic."""
 
 
 def available_codecs() -> list[str]:
@@ -101,39 +96,29 @@ def get_codec(name: str, impl: str = "auto", **options: Any) -> Codec:
     return CodecStack([build(n, per_stage[n]) for n in names])
 
 
-def codec_for_role(role: TensorRole | str, mapping: Mapping[TensorRole | str, Any] | None = None) -> Codec:
-    """A fresh codec for a tensor role, from a run spec's role -> codec mapping.
+def codec_for_role(role: TensorRole | str, mapping: Mapping[TensorRole | str, Any] | None = None) -> Codec | None:
+    """A fresh codec for ``role``: :func:`codec_choice` under :class:`~locomm.config.CompressionConfig`'s
+    stacks, ``mapping`` naming others (``"topk2bit+lossless"``, or ``{"name": ..., **options}``).
 
-    Mapping values may be a codec name (``"topk2bit+lossless"``), a dict
-    ``{"name": ..., **options}``, or a ready :class:`Codec` (returned as is).
-    Keys may be :class:`TensorRole` members or their string values. Roles
-    missing from ``mapping`` fall back to :data:`DEFAULT_ROLE_CODECS`.
+    A shorthand for tests; runtime code calls :func:`codec_choice` with ``spec.compression``.
     """
-    role = TensorRole(role) if isinstance(role, str) else role
-    spec: Any = None
-    for key, value in (mapping or {}).items():
-        if (TensorRole(key) if isinstance(key, str) else key) is role:
-            spec = value
-    if spec is None:
-        spec = DEFAULT_ROLE_CODECS[role]
-    if isinstance(spec, Codec):
-        return spec
-    if isinstance(spec, str):
-        return get_codec(spec)
-    if isinstance(spec, Mapping):
-        opts = dict(spec)
-        return get_codec(opts.pop("name"), **opts)
-    raise TypeError(f"cannot build a codec from {spec!r}")
+    role = TensorRole(role)
+    value = {TensorRole(k): v for k, v in (mapping or {}).items()}.get(role)
+    options = dict(value) if isinstance(value, Mapping) else {}
+    name = options.pop("name", value if isinstance(value, str) else None)
+    compression = CompressionConfig(**{role.value: name}) if name else CompressionConfig()
+    return codec_choice(role, compression).build(**options)
 
 
 __all__ = [
     "Codec",
+    "CodecChoice",
     "CodecError",
     "CodecStack",
-    "DEFAULT_ROLE_CODECS",
     "PartsCodec",
     "TensorRole",
     "available_codecs",
+    "codec_choice",
     "codec_class",
     "codec_for_role",
     "get_codec",

@@ -54,6 +54,8 @@ class TensorRole(enum.Enum):
     OUTER_GRADIENT = "outer_gradient"
     ACTIVATION = "activation"
     ACT_GRADIENT = "act_gradient"
+    TOKENS = "tokens"
+    """A stage boundary's token window: raw ids, no codec (:func:`~locomm.compression.choice.codec_choice`)."""
 
 
 # dtype <-> one byte on the wire. Codes are part of the wire format: append only.

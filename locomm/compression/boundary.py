@@ -5,7 +5,8 @@ inputs and the last stage takes its targets from it), then the residual stream h
 ``compression.activation`` (``subspace+lossless``: z = U^T (h - E_f[tok]), k numbers per
 token, lossless-coded). Backward: dL/dh through ``compression.act_gradient``
 (``subspace+lossless``: U^T dL/dh). Without the subspace (``pipeline.subspace = false``)
-the ``subspace`` stage is dropped from both stacks and h travels whole.
+the ``subspace`` stage is dropped from both stacks and h travels whole. Those stacks, and the
+raw token window, are :func:`~locomm.compression.choice.codec_choice`'s.
 
 The simulator and the stage server both code through :class:`BoundaryCoder`, so they
 count the same bytes and see the same rounding.
@@ -16,26 +17,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from locomm.compression import get_codec
-from locomm.compression.base import Codec, CodecError
+from locomm.compression.base import Codec, CodecError, TensorRole
+from locomm.compression.choice import RAW, codec_choice
 from locomm.config import RunSpec
-from locomm.model.stages import FIXED_EMBED_STD, Geometry
+from locomm.model.stages import Geometry
 
 TOKEN_DTYPE = np.uint16
 
 
 class NonFinite(ValueError):
     """A decoded activation or gradient holds NaN or inf."""
-
-
-def _stack(name: str, subspace: bool) -> str:
-    names = [n.strip() for n in name.split("+")]
-    if subspace:
-        if names[0] != "subspace":
-            names = ["subspace", *names]
-        return "+".join(names)
-    rest = [n for n in names if n != "subspace"]
-    return "+".join(rest) or "lossless"
 
 
 class BoundaryCoder:
@@ -46,27 +37,21 @@ class BoundaryCoder:
             raise ValueError(f"token ids travel as uint16; vocab_size {spec.model.vocab_size} is too large")
         self.geo = geo
         self.vocab_size = spec.model.vocab_size
-        self.act_stack = _stack(spec.compression.activation, geo.subspace)
-        self.grad_stack = _stack(spec.compression.act_gradient, geo.subspace)
-        self.act = self._codec(self.act_stack, "activation")
-        self.grad = self._codec(self.grad_stack, "gradient")
+        self.choices = {
+            role: codec_choice(role, spec.compression, boundary=geo)
+            for role in (TensorRole.ACTIVATION, TensorRole.ACT_GRADIENT, TensorRole.TOKENS)
+        }
+        assert self.choices[TensorRole.TOKENS].stack == RAW  # windows travel as raw uint16 ids
+        self.act_stack = self.choices[TensorRole.ACTIVATION].stack
+        self.grad_stack = self.choices[TensorRole.ACT_GRADIENT].stack
+        self.act = self._build(TensorRole.ACTIVATION)
+        self.grad = self._build(TensorRole.ACT_GRADIENT)
 
-    def _codec(self, stack: str, kind: str) -> Codec:
-        if "subspace" not in stack.split("+"):
-            return get_codec(stack)
-        g = self.geo
-        return get_codec(
-            stack,
-            subspace=dict(
-                d=g.d,
-                k=g.k,
-                vocab_size=g.vocab_size,
-                seed=g.seed,
-                fixed_std=FIXED_EMBED_STD,
-                kind=kind,
-                include_tokens=False,
-            ),
-        )
+    def _build(self, role: TensorRole) -> Codec:
+        codec = self.choices[role].build()
+        if codec is None:
+            raise ValueError(f"compression.{role.value}: a boundary tensor needs a codec, not raw bytes")
+        return codec
 
     # -- token windows -------------------------------------------------------------------
 

@@ -2,9 +2,10 @@
 
 An outer algorithm's payload is a dict of named tensors, ``"{prefix}/{param}"``.
 Each prefix has a :class:`TensorRole` (``phi`` and ``theta`` are parameters,
-``delta`` an outer gradient, ...); the run spec's ``compression`` section maps
-each role to a codec stack (``lossless``, ``bf16+lossless``, ...). A payload
-travels as *parts*: flat runs of at most ``part_elems`` elements of one tensor,
+``delta`` an outer gradient, ...); :func:`~locomm.compression.choice.codec_choice`
+reads the codec stack of each role from the run spec's ``compression`` section
+(``lossless``, ``bf16+lossless``, ...). A payload travels as *parts*: flat runs
+of at most ``part_elems`` elements of one tensor,
 each encoded on its own with that tensor's stack, so a sender encodes part k+1
 while part k is on the wire and a receiver decodes parts as they arrive into a
 tensor it allocated once (the payload's size, nothing more).
@@ -32,6 +33,7 @@ import torch
 
 from locomm.compression import available_codecs, get_codec
 from locomm.compression.base import Codec, CodecError, TensorRole, tensor_bytes, tensor_from_bytes
+from locomm.compression.choice import codec_choice
 
 PART_ELEMS = 1 << 20
 """Default elements per part (4 MiB of fp32)."""
@@ -108,8 +110,9 @@ class PayloadCodec:
     Args:
         shapes: parameter name -> shape.
         roles: payload prefix -> tensor role ("parameter", "outer_gradient", ...).
-        compression: role -> codec stack (a CompressionConfig or a mapping).
-        encoded: payload prefix -> codec stack of values the algorithm encodes itself (bytes).
+        compression: ``spec.compression`` (or a mapping role -> stack); :func:`codec_choice` picks each stack.
+        encoded: payload prefix -> codec stack of values the algorithm encodes itself (bytes): the
+            algorithm's ``payload_encoded``, which :func:`codec_choice` gave it.
         part_elems: elements per part.
     """
 
@@ -128,9 +131,8 @@ class PayloadCodec:
         plans = []
         for prefix, role in roles.items():
             role = TensorRole(role).value
-            stack = encoded.get(prefix) or (
-                compression[role] if isinstance(compression, Mapping) else getattr(compression, role)
-            )
+            # The algorithm's own codec (SparseLoCo's, which it took from codec_choice), else the run's.
+            stack = encoded.get(prefix) or codec_choice(role, compression).stack
             if not allowed_stack(stack):
                 raise ValueError(
                     f"compression.{role}: unknown codec stack {stack!r}; codecs: {', '.join(available_codecs())}"

@@ -14,7 +14,8 @@ that sent it. With a fixed alpha that update grows with R where the workers' top
 sets differ (an index one worker sent is applied at full size, not 1/R of it).
 
 The payload is the codec's bytes, so the bytes on the wire are exactly what the
-codec produced. Equations from secondary summaries (docs/algorithms.md §4).
+codec produced; the codec is :func:`~locomm.compression.choice.codec_choice`'s.
+Equations from secondary summaries (docs/algorithms.md §4).
 """
 
 from __future__ import annotations
@@ -24,26 +25,25 @@ from typing import Any
 
 import torch
 
-from locomm.config import OuterConfig
+from locomm.compression.base import TensorRole
+from locomm.compression.choice import codec_choice
+from locomm.config import CompressionConfig, OuterConfig
 from locomm.protocol.base import Exchange, OuterAlgorithm, Params, Payload
-
-
-def default_codec_factory(cfg: OuterConfig) -> Callable[[], Any]:
-    from locomm.compression import get_codec  # noqa: PLC0415 - protocol -> compression, lazily
-
-    return lambda: get_codec("topk2bit", density=cfg.sparse_density, beta=cfg.sparse_ef_beta)
 
 
 class SparseLoCo(OuterAlgorithm):
     name = "sparseloco"
-    payload_roles = {"sparse": "outer_gradient"}
-    payload_encoded = {"sparse": "topk2bit"}
+    payload_roles = {"sparse": TensorRole.OUTER_GRADIENT.value}
 
     def __init__(
         self, cfg: OuterConfig, params: Params, me: int, codec_factory: Callable[[], Any] | None = None
     ) -> None:
         super().__init__(cfg, params, me)
-        make = codec_factory or default_codec_factory(cfg)
+        # The one codec decision: topk2bit from spec.outer (compression.outer_gradient does not apply to a
+        # payload the algorithm encodes itself, so the default compression section stands in for the run's).
+        choice = codec_choice(TensorRole.OUTER_GRADIENT, CompressionConfig(), outer=cfg)
+        self.payload_encoded = {"sparse": choice.stack}  # receivers decode with a stateless instance of it
+        make = codec_factory or choice.build
         self.codecs = {k: make() for k in self.phi}  # one error-feedback buffer per parameter
 
     def plan(self, round_idx: int, members: Sequence[int], params: Params) -> Exchange:

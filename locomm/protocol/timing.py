@@ -119,7 +119,7 @@ def partner_eta(
         round_idx: the round whose payload we wait for.
         partner_round: the round counter of the partner's last heartbeat (it counts one past a round once it
             has planned, and so sent, that round); None: no heartbeat seen (taken as computing ``round_idx``).
-        round_t0: when the partner's current round's compute began (None or 0: ``now``).
+        round_t0: when the partner's current round's compute began (None: ``now``; 0 is a time like any other).
         round_s: the partner's average round time (None or 0: ours, at least ``MIN_OWN_ROUND_S``).
         up_Bps: the partner's measured upload rate (None or 0: the floor rate; no floor: no upload time).
         partners: to how many partners the partner sends (None or < 1: one).
@@ -130,7 +130,7 @@ def partner_eta(
     """
     own = max(own_round_s, MIN_OWN_ROUND_S)
     round_s = float(round_s or own)
-    t0 = float(round_t0 or now)
+    t0 = now if round_t0 is None else float(round_t0)
     up = float(up_Bps or 0.0) or limits.min_rate_Bps or math.inf
     fan_out = max(1, int(partners or 1))
     rounds_to_go = round_idx - partner_round + 1 if partner_round is not None else 1

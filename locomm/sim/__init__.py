@@ -1,11 +1,13 @@
 """The in-process transport: N virtual workers, the daemon's schedule and a network cost model."""
 
-from locomm.sim.network import NetworkModel, parse_link, replay
+from locomm.protocol.timing import Limits
+from locomm.sim.network import NetworkModel, parse_link
 from locomm.sim.simulator import NetworkRun, SimResult, Simulator, network_for, replay_on, time_to_target
-from locomm.sim.timeline import Deadlines, Schedule, Timeline
+from locomm.sim.timeline import Deadlines, Schedule, Timeline, replay
 
 __all__ = [
     "Deadlines",
+    "Limits",
     "NetworkModel",
     "NetworkRun",
     "SimResult",

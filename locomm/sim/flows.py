@@ -5,10 +5,11 @@ flows' rates grow together until a link (a sender's uplink or a receiver's downl
 flows through that link freeze, and the rest grow on (TCP flows sharing a bottleneck come close to
 this). Rates change only when a flow starts, ends or is cut, so the run is a short event loop.
 
-The daemon's byte-sized deadlines (``rpc.Link``) act on each flow:
-- floor rate: over any ``window_s`` of the transfer it must move ``floor_Bps * window_s`` bytes, or it
-  is cut (checked at event times and every window/8 while a flow runs below the floor);
-- size deadline: it must end within ``request_timeout_s + nbytes / floor_Bps`` of its start.
+The daemon's byte-sized deadlines (``protocol.timing.Limits``, as ``rpc.Link`` applies them) act on
+each flow:
+- floor rate: over any ``rate_window_s`` of the transfer it must move ``min_rate_Bps * rate_window_s``
+  bytes, or it is cut (checked at event times and every window/8 while a flow runs below the floor);
+- size deadline: it must end within ``Limits.deadline_s(nbytes)`` of its start.
 A stall (no bytes for ``stall_timeout_s``) cannot happen in a fluid model: an active flow always moves.
 
 Flows that share no link are independent, so ``run_flows`` splits them into connected components
@@ -22,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from locomm.protocol.timing import Limits
 
 
 @dataclass
@@ -47,13 +50,17 @@ class Flow:
         return h[-1][1]
 
 
-@dataclass(frozen=True)
-class FlowLimits:
-    """The daemon's per-transfer deadlines (``rpc.Limits``); floor 0 disables them."""
-
-    floor_Bps: float = 0.0
-    window_s: float = math.inf
-    request_timeout_s: float = math.inf
+def FlowLimits(  # noqa: N802 - the old class's name, for old callers
+    *, floor_Bps: float = 0.0, window_s: float = math.inf, request_timeout_s: float = math.inf
+) -> Limits:
+    """Only the per-transfer deadlines (floor rate, window, size deadline's slack) as ``Limits``."""
+    return Limits(
+        request_timeout_s=request_timeout_s,
+        stall_timeout_s=math.inf,
+        min_rate_Bps=floor_Bps,
+        rate_window_s=window_s,
+        max_wait_s=math.inf,
+    )
 
 
 def maxmin_rates(src: np.ndarray, dst: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
@@ -102,15 +109,16 @@ def _components(flows: Sequence[Flow]) -> list[list[int]]:
 
 
 def run_flows(
-    flows: Sequence[Flow], up_Bps: Sequence[float], down_Bps: Sequence[float], limits: FlowLimits = FlowLimits()
+    flows: Sequence[Flow], up_Bps: Sequence[float], down_Bps: Sequence[float], limits: Limits | None = None
 ) -> None:
     """Fill in each flow's ``done`` (or ``cut``) time, in place."""
     up, down = np.asarray(up_Bps, dtype=float), np.asarray(down_Bps, dtype=float)
+    limits = limits if limits is not None else Limits.never()
     for comp in _components(flows):
         _run_component([flows[i] for i in comp], up, down, limits)
 
 
-def _run_component(flows: list[Flow], up: np.ndarray, down: np.ndarray, limits: FlowLimits) -> None:
+def _run_component(flows: list[Flow], up: np.ndarray, down: np.ndarray, limits: Limits) -> None:
     left = np.array([f.nbytes for f in flows], dtype=float)
     start = np.array([f.start for f in flows])
     src = np.array([f.src for f in flows])
@@ -121,9 +129,9 @@ def _run_component(flows: list[Flow], up: np.ndarray, down: np.ndarray, limits: 
         if f.nbytes <= 0:
             f.done = f.start
     open_ &= left > 0
-    floor = limits.floor_Bps
-    size_deadline = start + limits.request_timeout_s + (left / floor if floor > 0 else math.inf)
-    checks = {float(s + limits.window_s) for s in start} if floor > 0 else set()
+    floor, window = limits.min_rate_Bps, limits.rate_window_s
+    size_deadline = start + np.array([limits.deadline_s(float(n)) for n in left])
+    checks = {float(s + window) for s in start} if floor > 0 else set()
     t = float(start[open_].min()) if open_.any() else 0.0
     while open_.any():
         active = open_ & (start <= t + 1e-12)
@@ -141,7 +149,7 @@ def _run_component(flows: list[Flow], up: np.ndarray, down: np.ndarray, limits: 
             candidates.append(float(size_deadline[idx].min()))
             candidates += [c for c in checks if c > t + 1e-12]
             if (rates < floor).any():
-                candidates.append(t + limits.window_s / 8)
+                candidates.append(t + window / 8)
         t_next = max(min(candidates), t + 1e-12)
         dt = t_next - t
         left[idx] -= rates * dt
@@ -155,8 +163,8 @@ def _run_component(flows: list[Flow], up: np.ndarray, down: np.ndarray, limits: 
             elif floor > 0 and (
                 t >= size_deadline[i] - 1e-12
                 or (
-                    t - f.start >= limits.window_s - 1e-9
-                    and f.history[-1][1] - f.moved_at(t - limits.window_s) < floor * limits.window_s * (1 - 1e-9)
+                    t - f.start >= window - 1e-9
+                    and f.history[-1][1] - f.moved_at(t - window) < floor * window * (1 - 1e-9)
                 )
             ):
                 f.cut = t

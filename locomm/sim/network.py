@@ -11,7 +11,7 @@ Collectives (S = bytes per worker, N workers, bw_i = min(up_i, down_i)):
     ring all-reduce (DDP, simulator only):  T = 2(N-1) * (latency + (S/N) * 8 / bw_min)
 Direct exchanges (NoLoCo, GASLoC, SparseLoCo: the daemon's pushes) go through the fluid
 flow model of ``sim/flows.py``. How rounds follow each other (the daemon's overlap and
-deadlines) is ``sim/timeline.py``.
+deadlines) is ``sim/timeline.py``, which imports this module (never the other way).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-
-from locomm.sim.timeline import Deadlines, Timeline, replay_schedule
 
 _LINK_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(/s)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -131,35 +130,9 @@ class RoundRecord:
     """Whose payload each worker used, when the run had a network (None: everyone's)."""
 
 
-def replay(
-    records: Sequence[RoundRecord],
-    net: NetworkModel,
-    workers: int,
-    *,
-    overlap: bool = True,
-    apply_delay_steps: int = 0,
-    deadlines: Deadlines | None = None,
-) -> tuple[Timeline, list[float]]:
-    """Simulated wall-clock of recorded rounds: the timeline, and when each round's model was held by all.
-
-    Valid for the numerics of the record only where no deadline fires differently on ``net``
-    (``replay_schedule`` counts those); otherwise simulate again with ``Simulator(network=net)``.
-    """
-    tl, _ = replay_schedule(
-        records, net, workers, overlap=overlap, apply_delay_steps=apply_delay_steps, deadlines=deadlines
-    )
-    return tl, round_done(tl, overlap)
-
-
-def round_done(tl: Timeline, overlap: bool) -> list[float]:
-    """When every worker held its round-r model (what an evaluation after round r sees): with overlap the
-    plan time of round r (its exchange is applied one round late), for the last round the end of its
-    exchange (the daemon drains it before the final evaluation); without overlap the end of round r's."""
-    if not tl.plans:
-        return []
-    if not overlap:
-        return [max(e) for e in tl.ends]
-    return [max(p) for p in tl.plans[:-1]] + [max(tl.ends[-1])]
+def round_done(tl: Any, overlap: bool) -> list[float]:
+    """``Timeline.round_done`` (``sim/timeline.py``), under the name old callers import from here."""
+    return tl.round_done(overlap)
 
 
 def flops_step_s(params: int, tokens_per_step: int, tflops: float) -> float:

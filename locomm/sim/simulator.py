@@ -3,13 +3,12 @@
 Notable:
 - Each worker is a real ``Trainer`` (same model, data and inner loop as a peer),
   all sharing one token array; only its shard and seed differ.
-- The daemon's schedule (``peer/node.py``): with overlap (the default, as the daemon's)
-  a round's exchange is applied one round late, at the same step as the daemon applies
-  it (the end of the next round, or ``outer.apply_delay_steps`` into it), keeping the
-  local progress made meanwhile: theta <- phi_new + (theta_now - theta_sent), with the
-  daemon's own arithmetic (``Node._apply``). ``overlap=False`` is ``--no-overlap``.
+- The daemon's round schedule, ``protocol/rounds.py`` (one ``Rounds`` per worker): with
+  overlap (the default, as the daemon's) a round's exchange is applied one round late,
+  ``rounds.apply_step`` inner steps into the next round, keeping the local progress made
+  meanwhile (``rounds.apply_late``). ``overlap=False`` is ``--no-overlap``.
 - Given a ``network``, each worker lives on its own timeline (``sim/timeline.py``) and
-  the daemon's deadlines decide whose payload arrives in time; a partner that misses
+  the daemon's deadlines (``protocol/timing.py``) decide whose payload arrives in time; a partner that misses
   its deadline is skipped for the round, so the numerics depend on the network. Without
   one, everybody answers, and ``network_for`` re-times the recorded traffic on any
   network, reporting how many (round, worker) would have used other partners there
@@ -34,9 +33,11 @@ import torch
 from locomm.compression.payload import PayloadCodec
 from locomm.config import TENSOR_ROLES, ConfigError, RunSpec
 from locomm.data import BatchSampler, TokenSplits, load_corpus
-from locomm.protocol import DDP, Exchange, Payload, build_outer
-from locomm.sim.network import NetworkModel, RoundRecord, round_done
-from locomm.sim.timeline import Deadlines, Schedule, Timeline, replay_schedule
+from locomm.protocol import DDP, Payload, build_outer
+from locomm.protocol.rounds import Planned, Rounds
+from locomm.protocol.timing import Limits
+from locomm.sim.network import NetworkModel, RoundRecord
+from locomm.sim.timeline import Schedule, Timeline, replay_schedule
 from locomm.train import Trainer
 
 
@@ -59,7 +60,7 @@ class SimResult:
     wall_s: float = 0.0
     overlap: bool = True
     apply_delay_steps: int = 0
-    deadlines: Deadlines = field(default_factory=Deadlines)
+    deadlines: Limits = field(default_factory=Limits)
     timeline: Timeline | None = None
     """The run's own timeline, when it was simulated on a network."""
     round_done: list[float] = field(default_factory=list)
@@ -113,7 +114,7 @@ class Simulator:
         self.eval_every = max(1, eval_every)
         self.members = list(range(workers))
         self.overlap = overlap and algo != "ddp"  # DDP is a blocking all-reduce every step
-        self.deadlines = Deadlines.from_config(spec.network)
+        self.deadlines = Limits.from_network(spec.network)
         self.network = network
         self.schedule = (
             Schedule(
@@ -126,7 +127,6 @@ class Simulator:
             if network is not None
             else None
         )
-        self.pending: list[tuple[int, dict[str, torch.Tensor], dict[int, Payload]] | None] = [None] * workers
         if algo == "ddp":
             self.trainers = [Trainer(spec, splits=self.splits)]
             self.samplers = [
@@ -139,6 +139,8 @@ class Simulator:
                 Trainer(spec, splits=self.splits, worker_id=w, num_workers=workers) for w in range(workers)
             ]
             self.algos = [build_outer(spec.outer, self._params(w), w) for w in range(workers)]
+            H, delay = spec.outer.inner_steps, spec.outer.apply_delay_steps
+            self.rounds = [Rounds(a, H, overlap=self.overlap, apply_delay_steps=delay) for a in self.algos]
         shapes = {k: tuple(p.shape) for k, p in self._params(0).items()}
         # The daemon's codec: the same parts, stacks and rounding, so both count the same bytes.
         if algo == "ddp":
@@ -152,34 +154,18 @@ class Simulator:
 
     # -- one round -----------------------------------------------------------------
 
-    def _apply(self, w: int, r: int, sent: dict[str, torch.Tensor], got: dict[int, Payload]) -> None:
-        """``Node._apply``: the outer update of the state sent, with the local progress since kept on top."""
-        target = {k: v.clone() for k, v in sent.items()}
-        self.algos[w].apply(r, target, got)
-        with torch.no_grad():
-            for k, p in self._params(w).items():
-                p.add_(target[k] - sent[k])
-
-    def _apply_pending(self, w: int) -> None:
-        if self.pending[w] is not None:
-            self._apply(w, *self.pending[w])
-            self.pending[w] = None
-
     def _outer_round(self, r: int, res: SimResult) -> None:
         H = self.spec.outer.inner_steps
-        delay = self.spec.outer.apply_delay_steps if self.overlap else 0
         losses = []
         for w, t in enumerate(self.trainers):
-            # The daemon applies the previous round's exchange after `delay` steps of this round (0: all H).
-            first = delay if (0 < delay < H and self.pending[w] is not None) else H
-            for _ in range(first):
+            for i in range(H):
+                if self.rounds[w].due(i):
+                    self.rounds[w].settle(self._params(w))
                 losses.append(t.train_step())
-            self._apply_pending(w)
-            for _ in range(H - first):
-                losses.append(t.train_step())
+            self.rounds[w].settle(self._params(w))
         res.train_loss.append(sum(losses) / len(losses))
-        sent = [{k: p.detach().clone() for k, p in self._params(w).items()} for w in self.members]
-        plans: list[Exchange] = [a.plan(r, self.members, self._params(w)) for w, a in enumerate(self.algos)]
+        planned: list[Planned] = [rs.start(r, self.members, self._params(w)) for w, rs in enumerate(self.rounds)]
+        plans = [p.exchange for p in planned]
         butterfly = self.spec.outer.algo == "diloco"
         wire: list[Payload] = []
         sizes: dict[int, float] = {}
@@ -210,9 +196,8 @@ class Simulator:
         else:
             answered = [set(peers[w]) for w in self.members]
         res.records.append(rec)
-        for w, plan in enumerate(plans):
-            got = {w: plan.payload}  # a worker's own payload never crosses the wire
-            got.update({j: wire[j] for j in sorted(answered[w])})
+        for w in self.members:
+            got = planned[w].received(w, {j: wire[j] for j in sorted(answered[w])})
             if butterfly:  # the daemon's count: (N-1)/N of the payload, twice, over the group that formed
                 g = len(answered[w]) + 1
                 res.bytes_sent[w] += 2 * (g - 1) / g * sizes[w]
@@ -220,10 +205,9 @@ class Simulator:
             else:  # pushes go to every partner; what arrived in time is used
                 res.bytes_sent[w] += sizes[w] * len(peers[w])
                 res.bytes_received[w] += sum(sizes[j] for j in answered[w])
-            if self.overlap:
-                self.pending[w] = (r, sent[w], got)
-            else:
-                self._apply(w, r, sent[w], got)
+            self.rounds[w].arrived(got)
+            if not self.overlap:
+                self.rounds[w].settle(self._params(w))
 
     def _ddp_round(self, r: int, res: SimResult) -> None:
         t = self.trainers[0]
@@ -291,16 +275,16 @@ class Simulator:
                 self._ddp_round(r, res)
             else:
                 self._outer_round(r, res)
-            if r == rounds - 1:  # the daemon finishes the pending exchange before its final evaluation
-                for w in range(len(self.pending)):
-                    self._apply_pending(w)
+            if r == rounds - 1 and self.spec.outer.algo != "ddp":
+                for w, rs in enumerate(self.rounds):  # the daemon settles its last exchange before evaluating
+                    rs.settle(self._params(w))
             if (r + 1) % self.eval_every == 0 or r == rounds - 1:
                 self._record_eval(res, (r + 1) * H)
             if on_round:
                 on_round(r, res)
         if self.schedule is not None:
             res.timeline = self.schedule.tl
-            res.round_done = round_done(self.schedule.tl, self.overlap)
+            res.round_done = self.schedule.tl.round_done(self.overlap)
         res.wall_s = time.perf_counter() - t0
         return res
 
@@ -358,7 +342,7 @@ def network_for(
     heterogeneity: float,
     step_s: float,
     seed: int = 0,
-    deadlines: Deadlines | None = None,
+    deadlines: Limits | None = None,
 ) -> NetworkRun:
     """Replay a run's recorded traffic on a network, with the run's schedule and (default) its deadlines."""
     net = NetworkModel.build(
@@ -367,7 +351,7 @@ def network_for(
     return replay_on(res, net, deadlines=deadlines)
 
 
-def replay_on(res: SimResult, net: NetworkModel, *, deadlines: Deadlines | None = None) -> NetworkRun:
+def replay_on(res: SimResult, net: NetworkModel, *, deadlines: Limits | None = None) -> NetworkRun:
     tl, mismatches = replay_schedule(
         res.records,
         net,
@@ -378,7 +362,7 @@ def replay_on(res: SimResult, net: NetworkModel, *, deadlines: Deadlines | None 
     )
     return NetworkRun(
         wall_s=tl.wall(),
-        round_done=round_done(tl, res.overlap),
+        round_done=tl.round_done(res.overlap),
         compute_utilisation=tl.compute_utilisation(),
         mismatches=mismatches,
         skipped=tl.skipped,

@@ -48,49 +48,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from locomm.sim.flows import Flow, FlowLimits, run_flows
+from locomm.protocol.rounds import RECEIVE_WINDOW
+from locomm.protocol.timing import Limits, ema, partner_eta, wait_deadline
+from locomm.sim.flows import Flow, run_flows
+from locomm.sim.network import NetworkModel, RoundRecord
 
-if TYPE_CHECKING:
-    from locomm.sim.network import NetworkModel, RoundRecord
+Deadlines = Limits
+"""The simulator's old name of ``protocol.timing.Limits`` (the daemon's one set of deadlines)."""
 
 STREAM_OPEN_LATENCIES = 2
 """One-way latencies before a push's first byte moves: opening the stream (a round trip)."""
 MATCHMAKING_LATENCIES = 6
 """One-way latencies of hivemind's group assembly once the last member is there (DHT declare and
 lookup, join request and acceptance, the leader's begin message)."""
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """The daemon's waiting rules (``[network]`` of the run spec); ``None`` fields: wait forever."""
-
-    stall_timeout_s: float = 20.0
-    min_rate_Bps: float = 10e6 / 8
-    rate_window_s: float = 30.0
-    max_wait_s: float = 600.0
-    request_timeout_s: float = 30.0
-
-    @classmethod
-    def from_config(cls, net: Any) -> Deadlines:
-        return cls(
-            stall_timeout_s=net.stall_timeout_s,
-            min_rate_Bps=net.min_rate_mbit * 1e6 / 8,
-            rate_window_s=net.rate_window_s,
-            max_wait_s=net.max_wait_s,
-            request_timeout_s=net.request_timeout_s,
-        )
-
-    @classmethod
-    def never(cls) -> Deadlines:
-        inf = math.inf
-        return cls(stall_timeout_s=inf, min_rate_Bps=0.0, rate_window_s=inf, max_wait_s=inf, request_timeout_s=inf)
-
-    def flow_limits(self) -> FlowLimits:
-        return FlowLimits(
-            floor_Bps=self.min_rate_Bps, window_s=self.rate_window_s, request_timeout_s=self.request_timeout_s
-        )
 
 
 @dataclass
@@ -119,6 +90,16 @@ class Timeline:
         wall = self.wall()
         return [c / wall if wall > 0 else 1.0 for c in self.compute]
 
+    def round_done(self, overlap: bool) -> list[float]:
+        """When every worker held its round-r model (what an evaluation after round r sees): with overlap the
+        plan time of round r (its exchange is applied one round late), for the last round the end of its
+        exchange (the daemon drains it before the final evaluation); without overlap the end of round r's."""
+        if not self.plans:
+            return []
+        if not overlap:
+            return [max(e) for e in self.ends]
+        return [max(p) for p in self.plans[:-1]] + [max(self.ends[-1])]
+
     def idle_fraction(self) -> float:
         """1 - mean compute utilisation (kept for old callers; compute_utilisation is the measure)."""
         u = self.compute_utilisation()
@@ -135,7 +116,7 @@ class Schedule:
         *,
         overlap: bool = True,
         apply_delay_steps: int = 0,
-        deadlines: Deadlines | None = None,
+        deadlines: Limits | None = None,
         round_compute: Sequence[Sequence[float]] | None = None,
         round_overhead_s: float = 0.0,
     ) -> None:
@@ -143,19 +124,20 @@ class Schedule:
         (to check the network and schedule model against a real run with the real compute times).
         ``round_overhead_s``: the daemon's per-round work besides inner steps, between the end of compute
         (and of the wait for the previous exchange) and the plan: applying the exchange, snapshotting the
-        weights, reading the DHT's member list (0: not charged)."""
+        weights, reading the DHT's member list (0: not charged).
+        ``deadlines``: the daemon's ``Limits`` (default: none)."""
         self.net = net
         self.round_compute = round_compute
         self.overhead = round_overhead_s
         self.n = workers
         self.overlap = overlap
         self.delay = apply_delay_steps
-        self.dl = deadlines if deadlines is not None else Deadlines.never()
+        self.dl = deadlines if deadlines is not None else Limits.never()
         self.tl = Timeline(workers, compute=[0.0] * workers, clock=[0.0] * workers)
         self.prev_plan = [0.0] * workers
         self.prev_end = [0.0] * workers
         self.entered = [0.0] * workers  # when each worker opened its current round (gossip.advance)
-        self.entered_prev = [0.0] * workers
+        self.opened: list[list[float]] = []  # opened[r][w]: when worker w opened round r
         self.round_s = [0.0] * workers  # the heartbeat's EMA of a round's compute time
         self.up_Bps = [0.0] * workers  # the heartbeat's EMA of the measured upload rate per push
         self.partners = [1] * workers
@@ -177,7 +159,7 @@ class Schedule:
                 if self.overlap:
                     t = max(t, self.prev_end[w])
             t += self.overhead
-            self.entered_prev[w], self.entered[w] = self.entered[w], start
+            self.entered[w] = start
             self.tl.compute[w] += c
             plan.append(t)
         return plan
@@ -190,6 +172,7 @@ class Schedule:
     def step(self, rec: RoundRecord) -> list[set[int]]:
         """Advance every worker through one round; returns, per worker, the peers whose payload it used."""
         plan = self._compute(rec.steps)
+        self.opened.append(list(self.entered))
         if rec.kind == "direct":
             end, got = self._direct(rec, plan)
         elif rec.kind == "butterfly":
@@ -198,9 +181,8 @@ class Schedule:
             end, got = self._ring(rec, plan)
         else:
             raise ValueError(f"unknown exchange kind {rec.kind!r}")
-        for w in range(self.n):  # Node._train: round_s = 0.7 * round_s + 0.3 * compute_s
-            c = self._compute_s(w, rec.steps)
-            self.round_s[w] = c if self.round_s[w] == 0 else 0.7 * self.round_s[w] + 0.3 * c
+        for w in range(self.n):  # the heartbeat's round time
+            self.round_s[w] = ema(self.round_s[w], self._compute_s(w, rec.steps))
         self.tl.plans.append(plan)
         self.tl.ends.append(end)
         self.prev_plan, self.prev_end = plan, end
@@ -209,24 +191,32 @@ class Schedule:
         return got
 
     def _eta(self, me: int, p: int, plan: list[float], raw: float) -> float:
-        """The time by which worker ``me`` expects partner ``p``'s payload (``Node._eta``)."""
+        """The time by which worker ``me``, waiting from its plan time, expects partner ``p``'s payload: the
+        daemon's ETA from p's heartbeat (p has sent once it planned; otherwise it computes this round)."""
         now = plan[me]
-        own = max(self.round_s[me], 1.0)
-        round_s = self.round_s[p] or own
-        ready = now if plan[p] <= now else self.entered[p] + round_s
-        up = self.up_Bps[p] or self.dl.min_rate_Bps or math.inf
-        arrive = max(ready, now) + raw * max(1, self.partners[p]) / up
-        return arrive + self.dl.stall_timeout_s + 0.25 * round_s
+        return partner_eta(
+            round_idx=self.r,
+            partner_round=self.r + 1 if plan[p] <= now else self.r,
+            round_t0=self.entered[p],
+            round_s=self.round_s[p],
+            up_Bps=self.up_Bps[p],
+            partners=self.partners[p],
+            own_round_s=self.round_s[me],
+            wire_bytes=raw,
+            limits=self.dl,
+            now=now,
+        )
 
     def _direct(self, rec: RoundRecord, plan: list[float]) -> tuple[list[float], list[set[int]]]:
         lat = self.net.latency_s
         flows: dict[tuple[int, int], Flow] = {}
         for w in range(self.n):
             for j in rec.peers.get(w, []):
-                # j takes round-r pushes once it has opened round r - 1 (gossip.RECEIVE_WINDOW = 1).
-                t0 = max(plan[w], self.entered_prev[j] if self.r > 0 else 0.0) + STREAM_OPEN_LATENCIES * lat
+                # j takes round-r pushes once it has opened round r - RECEIVE_WINDOW.
+                back = self.r - RECEIVE_WINDOW
+                t0 = max(plan[w], self.opened[back][j] if back >= 0 else 0.0) + STREAM_OPEN_LATENCIES * lat
                 flows[(w, j)] = Flow(w, j, rec.bytes_sent[w], t0)
-        run_flows(list(flows.values()), self.net.up_Bps, self.net.down_Bps, self.dl.flow_limits())
+        run_flows(list(flows.values()), self.net.up_Bps, self.net.down_Bps, self.dl)
         self.tl.cut += sum(1 for f in flows.values() if math.isfinite(f.cut))
         raw = rec.raw_bytes or rec.bytes_sent
         end = list(plan)
@@ -239,10 +229,10 @@ class Schedule:
             for p in peers:
                 f = flows.get((p, w))
                 if f is None:  # p does not count w as a partner: nothing will come
-                    t_end = max(t_end, min(plan[w] + self.dl.max_wait_s, self._eta(w, p, plan, raw.get(p, 0))))
+                    t_end = max(t_end, wait_deadline(plan[w], self._eta(w, p, plan, raw.get(p, 0)), self.dl))
                     self.tl.skipped += 1
                     continue
-                deadline = min(plan[w] + self.dl.max_wait_s, self._eta(w, p, plan, raw.get(p, 0)))
+                deadline = wait_deadline(plan[w], self._eta(w, p, plan, raw.get(p, 0)), self.dl)
                 arrived = f.done + lat
                 if math.isfinite(f.done) and (arrived <= deadline or f.start <= deadline):
                     got[w].add(p)  # here in time, or moving when the ETA passed: waited for
@@ -255,7 +245,7 @@ class Schedule:
                 t_end = max(t_end, (f.done if math.isfinite(f.done) else f.cut) + 2 * lat)
                 if math.isfinite(f.done) and f.done > f.start:
                     rate = f.nbytes / (f.done - f.start)
-                    self.up_Bps[w] = rate if self.up_Bps[w] == 0 else 0.7 * self.up_Bps[w] + 0.3 * rate
+                    self.up_Bps[w] = ema(self.up_Bps[w], rate)
             self.partners[w] = len(peers)
             end[w] = t_end
         return end, got
@@ -279,8 +269,7 @@ class Schedule:
         assembled = last + MATCHMAKING_LATENCIES * self.net.latency_s
         nbytes = max(rec.bytes_sent[m] for m in group)
         dur = self.net.butterfly_allreduce_s(group, nbytes)
-        # The daemon sizes the all-reduce's deadline by its bytes (peer/node.py, _start_averager).
-        ar_timeout = timeout + (2 * nbytes / self.dl.min_rate_Bps if self.dl.min_rate_Bps > 0 else math.inf)
+        ar_timeout = self.dl.allreduce_deadline_s(nbytes)
         ok = dur <= ar_timeout
         for m in group:
             end[m] = assembled + (dur if ok else ar_timeout)
@@ -308,7 +297,7 @@ def replay_schedule(
     *,
     overlap: bool = True,
     apply_delay_steps: int = 0,
-    deadlines: Deadlines | None = None,
+    deadlines: Limits | None = None,
 ) -> tuple[Timeline, int]:
     """Re-time recorded rounds on ``net``; also returns how many (round, worker) used other partners than
     the record did (a deadline fired differently): then the numerics differ and the run must be redone."""
@@ -321,6 +310,26 @@ def replay_schedule(
         else:
             mismatches += sum(1 for w in range(workers) if got[w] != _full(rec, w))
     return sched.tl, mismatches
+
+
+def replay(
+    records: Sequence[RoundRecord],
+    net: NetworkModel,
+    workers: int,
+    *,
+    overlap: bool = True,
+    apply_delay_steps: int = 0,
+    deadlines: Limits | None = None,
+) -> tuple[Timeline, list[float]]:
+    """Simulated wall-clock of recorded rounds: the timeline, and when each round's model was held by all.
+
+    Valid for the numerics of the record only where no deadline fires differently on ``net``
+    (``replay_schedule`` counts those); otherwise simulate again with ``Simulator(network=net)``.
+    """
+    tl, _ = replay_schedule(
+        records, net, workers, overlap=overlap, apply_delay_steps=apply_delay_steps, deadlines=deadlines
+    )
+    return tl, tl.round_done(overlap)
 
 
 def _full(rec: RoundRecord, w: int) -> set[int]:

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from locomm.compression.subspace import make_basis, make_fixed_embedding, project_onto_subspace_
 from locomm.config import RunSpec
 from locomm.model.llama import LlamaModel
+from locomm.model.subspace import make_basis, make_fixed_embedding, project_onto_subspace_
 
 FIXED_EMBED_STD = 0.02
 """Standard deviation of E_f (the subspace codec's default, so codec and model agree)."""

@@ -93,7 +93,7 @@ def bench_lossless(n: int, dev: str, repeats: int, rows: list[dict]) -> None:
         te, dg = timed(lambda: tri.encode(xg), repeats)
         td, yg = timed(lambda: tri.decode(dg, device=dev), repeats)
         assert dg == data and torch.equal(yg.view(torch.int16).cpu(), x.view(torch.int16))
-        from locomm.kernels import lossless as kl
+        from locomm.compression import lossless_device as kl
 
         # on the device alone: no upload or download of the payload (the network would hand it over)
         tde, _ = timed(lambda: kl.encode_device(tri, xg), repeats)

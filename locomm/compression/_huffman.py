@@ -23,8 +23,13 @@ import math
 
 import numpy as np
 
-from locomm.compression._kernels import ESC, TABLE_BITS
 from locomm.compression.base import CodecError
+
+TABLE_BITS = 12
+"""Maximum code length, and the width of the one-level decode table (part of the wire format)."""
+
+ESC = 256
+"""Symbol index of the escape code."""
 
 NSYM = 257
 """256 byte symbols + the escape symbol."""

@@ -124,7 +124,10 @@ class TopK2BitCodec(PartsCodec):
 
             if self.error_feedback and self.error is None:
                 self.error = torch.zeros(n, dtype=torch.float32, device=x.device)
-            packed_t, lo, hi = kt.encode(x, self.error if self.error_feedback else None, self.beta, k)
+            error = self.error if self.error_feedback else None
+            idx, sel = kt.select(x, error, self.beta, k)
+            lo, hi = _two_levels(sel.abs())
+            packed_t = kt.pack(idx, sel, error, n, k, lo, hi)
             packed_bytes = packed_t.cpu().numpy().tobytes()  # the compressed bytes: 1 per selected element
         else:
             packed_bytes, lo, hi = self._encode_cpu(x, k)

@@ -10,7 +10,14 @@ One file per kernel family:
 - ``model``: fused RMSNorm (+ residual add), SwiGLU and cross-entropy, with
   autograd, for the model's opt-in fused path;
 - ``crc32``: zlib's CRC-32 of a device buffer (the payload checksum), so a
-  GPU-coded payload is never checked on one host core.
+  GPU-coded payload is never checked on one host core;
+- ``lossless_cpu``: the numba CPU coder of the lossless codec (both layouts),
+  the reference the Triton kernels are tested against.
+
+Kernels are launchers over arrays and integers: they import nothing from the
+compression package (which plans the wire format and calls them), and a
+stream they cannot decode raises :class:`StreamError`, which the codecs
+turn into their ``CodecError``.
 
 ``python -m locomm.kernels.compile_check`` compiles every kernel for sm_80 and
 sm_90 without a GPU (the tests run it for sm_90).
@@ -34,6 +41,23 @@ import os
 import torch
 
 IMPLS = ("auto", "cpu", "triton")
+
+
+class StreamError(ValueError):
+    """A coded stream a kernel cannot decode; ``code`` is 1 (invalid code), 2 (a lane ran past its end),
+    3 (a lane has unread bytes) or 4 (a lane plan outside the arrays it was given)."""
+
+    MESSAGES = {
+        1: "invalid code in stream",
+        2: "coded stream truncated",
+        3: "trailing bytes after coded stream",
+        4: "lane plan outside the stream or output",
+    }
+
+    def __init__(self, code: int) -> None:
+        super().__init__(self.MESSAGES.get(code, f"decoder error {code}"))
+        self.code = code
+
 
 KERNEL_MODULES = ("crc32", "lossless", "topk2bit", "subspace", "model")
 
@@ -91,4 +115,13 @@ def load_all() -> None:
         importlib.import_module(f"locomm.kernels.{name}")
 
 
-__all__ = ["IMPLS", "KERNEL_MODULES", "check_impl", "interpreting", "load_all", "resolve_impl", "triton_available"]
+__all__ = [
+    "IMPLS",
+    "KERNEL_MODULES",
+    "StreamError",
+    "check_impl",
+    "interpreting",
+    "load_all",
+    "resolve_impl",
+    "triton_available",
+]

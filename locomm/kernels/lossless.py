@@ -1,7 +1,9 @@
 """Triton kernels of the lossless exponent coder (segmented layout, wire version 2).
 
 Notable:
-- The device does the per-element work: the symbol histogram of every chunk
+- Launchers over tensors and integers; the caller (the codec's
+  device path, compression/lossless_device.py) plans the payload with the wire format's module. The
+  device does the per-element work: the symbol histogram of every chunk
   (``tl.histogram``), the bit count of every lane, the bit packing, the split
   of the raw plane, and the decode. The host only sees what is tiny: the
   chunks' 256-bin histograms (to pick each chunk's table with the very code
@@ -14,29 +16,22 @@ Notable:
   per lane and flushes whole bytes; decoding reads 4 bytes at the lane's bit
   position and looks the top 12 bits up in the chunk's decode table.
 - The bytes are those of ``LosslessCodec(layout="segments")`` on the CPU
-  (numba, locomm/compression/_kernels.py): the tests check them bit for bit
+  (numba, locomm/kernels/lossless_cpu.py): the tests check them bit for bit
   under ``TRITON_INTERPRET=1``.
-- The payload's CRC-32 is computed on the device too (locomm/kernels/crc32.py):
-  zlib on the host runs at about 2 GB/s a core and would bound the codec.
+- The caller computes the payload's CRC-32 on the device too
+  (locomm/kernels/crc32.py): zlib on the host runs at about 2 GB/s a core.
 """
 
 from __future__ import annotations
 
-import struct
-import warnings
-import zlib
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from locomm.compression.base import CodecError
-from locomm.kernels.crc32 import crc32
-
-if TYPE_CHECKING:
-    from locomm.compression.lossless import LosslessCodec, Parsed
+from locomm.kernels import StreamError
 
 HIST_BLOCK = 2048  # chunk_elems <= 2**26: at most 32768 blocks on the grid's second axis
 LANE_BLOCK = 128
@@ -229,204 +224,112 @@ def _unpack_kernel(
     tl.store(err_ptr + lane0 + lanes, code.to(tl.int32), mask=lm)
 
 
-def _word_view(x: torch.Tensor) -> torch.Tensor:
+def word_view(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous float tensor's bits as a flat int16/int32 tensor (no copy)."""
     return x.reshape(-1).view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+def _mask(words: torch.Tensor) -> int:
+    return (1 << (8 * words.element_size())) - 1
+
+
+def chunk_histograms(words: torch.Tensor, chunk_elems: int, s: int) -> torch.Tensor:
+    """(chunks, 256) int32: the histogram of the symbols ``(w >> s) & 0xFF`` of every chunk of ``words``."""
+    numel = words.numel()
+    n_chunks = -(-numel // chunk_elems)
+    hist = torch.zeros(n_chunks, 256, dtype=torch.int32, device=words.device)
+    if n_chunks:
+        grid = (n_chunks, triton.cdiv(min(chunk_elems, numel), HIST_BLOCK))
+        _hist_kernel[grid](words, hist, numel, chunk_elems, S=s, WORD_MASK=_mask(words), BLOCK=HIST_BLOCK)
+    return hist
+
+
+class LanePlan(NamedTuple):
+    """The interleaved lanes of the coded chunks of one launch (int64 tensors on the device).
+
+    Chunk j starts at element ``first[j]``, has ``n[j]`` elements in ``lanes[j]``
+    lanes (element i of the chunk in lane i % lanes[j]), and its lanes are
+    rows ``lane0[j]:lane0[j] + lanes[j]`` of the per-lane arrays.
+    """
+
+    first: torch.Tensor
+    n: torch.Tensor
+    lanes: torch.Tensor
+    lane0: torch.Tensor
+    total_lanes: int
+    max_lanes: int
+
+    @property
+    def grid(self) -> tuple[int]:
+        return (self.first.numel() * self.blocks,)
+
+    @property
+    def blocks(self) -> int:
+        return triton.cdiv(self.max_lanes, LANE_BLOCK)  # lane blocks per chunk, on one grid axis
+
+
+def lane_plan(first: list[int], n: list[int], lanes: list[int], device: torch.device) -> LanePlan:
+    """A :class:`LanePlan` from host lists (one entry per coded chunk)."""
+    lane0 = np.zeros(len(lanes) + 1, dtype=np.int64)
+    lane0[1:] = np.cumsum(lanes)
+    dev = [_dev_i64(v, device) for v in (first, n, lanes, lane0[:-1])]
+    return LanePlan(*dev, int(lane0[-1]), max(lanes))
+
+
+def lane_bits(words: torch.Tensor, lens: torch.Tensor, plan: LanePlan, s: int) -> torch.Tensor:
+    """int64 (total_lanes,): the coded bits of every lane; ``lens`` is (chunks, 256) code lengths."""
+    bits = torch.empty(plan.total_lanes, dtype=torch.int64, device=words.device)
+    _lane_bits_kernel[plan.grid](
+        words, lens, bits, plan.first, plan.n, plan.lanes, plan.lane0, plan.blocks,
+        S=s, WORD_MASK=_mask(words), BLOCK_L=LANE_BLOCK,
+    )  # fmt: skip
+    return bits
+
+
+def split(
+    words: torch.Tensor, out: torch.Tensor, raw_pos: torch.Tensor, sym_pos: torch.Tensor, chunk_elems: int, s: int,
+    nraw: int,
+) -> None:  # fmt: skip
+    """Write every chunk's raw plane at ``out[raw_pos[c]:]`` (and its symbols at ``out[sym_pos[c]:]`` where >= 0)."""
+    numel = words.numel()
+    _split_kernel[(triton.cdiv(numel, ELEM_BLOCK),)](
+        words, out, raw_pos, sym_pos, numel, chunk_elems, S=s, WORD_MASK=_mask(words), NRAW=nraw, BLOCK=ELEM_BLOCK
+    )
+
+
+def pack(
+    words: torch.Tensor, codes: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, lane_pos: torch.Tensor,
+    plan: LanePlan, s: int,
+) -> None:  # fmt: skip
+    """Write each lane's MSB-first bit stream at ``out[lane_pos[lane]:]`` (codes/lens: (chunks, 256) full codes)."""
+    _pack_kernel[plan.grid](
+        words, codes, lens, out, lane_pos, plan.first, plan.n, plan.lanes, plan.lane0, plan.blocks,
+        S=s, WORD_MASK=_mask(words), BLOCK_L=LANE_BLOCK,
+    )  # fmt: skip
+
+
+def unpack(
+    buf: torch.Tensor, dec: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+    raw0: torch.Tensor, plan: LanePlan, s: int, nraw: int,
+) -> None:  # fmt: skip
+    """Decode the lanes ``buf[starts[l]:ends[l]]`` of every coded chunk into ``out`` (words), merging the raw
+    plane at ``buf[raw0[j]:]``; ``dec`` is (chunks, 4096) decode tables.
+
+    Raises:
+        StreamError: some lane holds an invalid code, runs past its end or leaves bytes unread.
+    """
+    err = torch.zeros(plan.total_lanes, dtype=torch.int32, device=out.device)
+    _unpack_kernel[plan.grid](
+        buf, dec, out, starts, ends, err, plan.first, plan.n, plan.lanes, plan.lane0, raw0, plan.blocks,
+        S=s, NRAW=nraw, BLOCK_L=LANE_BLOCK,
+    )  # fmt: skip
+    worst = int(err.max()) if plan.total_lanes else 0
+    if worst:
+        raise StreamError(worst)
 
 
 def _dev_i64(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device)
 
 
-def encode(codec: LosslessCodec, x: torch.Tensor) -> bytes:
-    """The version-2 payload of ``x`` (on its device), byte for byte what the CPU path writes."""
-    out = encode_device(codec, x)
-    return out.cpu().numpy().tobytes()  # the compressed payload: the one large device-to-host copy
-
-
-def encode_device(codec: LosslessCodec, x: torch.Tensor) -> torch.Tensor:
-    """The payload as a uint8 tensor on ``x``'s device, CRC included."""
-    from locomm.compression.lossless import _LAYOUTS, MODE_CONST, MODE_STORED, full_codes
-
-    layout = _LAYOUTS[x.dtype]
-    dev = x.device
-    words = _word_view(x.detach().contiguous())
-    numel = words.numel()
-    ce = codec.chunk_elems
-    n_chunks = -(-numel // ce)
-    head = codec.header(x.dtype, x.shape)
-    if n_chunks == 0:
-        empty = head + struct.pack("<I", zlib.crc32(head))
-        return torch.frombuffer(bytearray(empty), dtype=torch.uint8).to(dev)
-    S, WM, NRAW = layout.s, (1 << (8 * layout.word.itemsize)) - 1, layout.nraw
-    hist = torch.zeros(n_chunks, 256, dtype=torch.int32, device=dev)
-    _hist_kernel[(n_chunks, triton.cdiv(min(ce, numel), HIST_BLOCK))](
-        words, hist, numel, ce, S=S, WORD_MASK=WM, BLOCK=HIST_BLOCK
-    )
-    hist_h = hist.cpu().numpy().astype(np.int64)  # 1 KiB per chunk: the only look before coding
-    picks = []
-    for c in range(n_chunks):
-        n = min(ce, numel - c * ce)
-        picks.append((n, *codec.pick(layout, hist_h[c], n, 24 * codec.n_lanes(n))))
-    coded = [c for c, (_, mode, _, _) in enumerate(picks) if mode not in (MODE_CONST, MODE_STORED)]
-    lane_counts = [codec.n_lanes(picks[c][0]) for c in coded]
-    lane0 = np.zeros(len(coded) + 1, dtype=np.int64)
-    lane0[1:] = np.cumsum(lane_counts)
-    sizes_h = np.zeros(0, dtype=np.int64)
-    if coded:
-        tabs = [full_codes(picks[c][2]) for c in coded]
-        codes = torch.as_tensor(np.stack([t[0].astype(np.int32) for t in tabs])).to(dev)
-        lens = torch.as_tensor(np.stack([t[1].astype(np.int32) for t in tabs])).to(dev)
-        c_first = _dev_i64([c * ce for c in coded], dev)
-        c_n = _dev_i64([picks[c][0] for c in coded], dev)
-        c_lanes = _dev_i64(lane_counts, dev)
-        c_lane0 = _dev_i64(lane0[:-1], dev)
-        bits = torch.empty(int(lane0[-1]), dtype=torch.int64, device=dev)
-        blocks = triton.cdiv(max(lane_counts), LANE_BLOCK)  # lane blocks per chunk, on one grid axis
-        grid = (len(coded) * blocks,)
-        _lane_bits_kernel[grid](
-            words, lens, bits, c_first, c_n, c_lanes, c_lane0, blocks, S=S, WORD_MASK=WM, BLOCK_L=LANE_BLOCK
-        )
-        sizes_h = ((bits + 7) // 8).cpu().numpy()  # 8 bytes per lane
-    # Lay the payload out on the host (positions only), then fill it on the device.
-    pieces: list[tuple[int, bytes]] = [(0, head)]
-    pos = len(head)
-    raw_pos = np.zeros(n_chunks, dtype=np.int64)
-    sym_pos = np.full(n_chunks, -1, dtype=np.int64)
-    lane_pos = np.zeros(int(lane0[-1]), dtype=np.int64)
-    k = 0
-    for c, (n, mode, _table, mode_head) in enumerate(picks):
-        if mode == MODE_CONST:
-            hdr = bytes([mode]) + mode_head
-            body = len(hdr) + n * NRAW
-        elif mode == MODE_STORED:
-            hdr = bytes([mode])
-            body = len(hdr) + n + n * NRAW
-        else:
-            sz = sizes_h[lane0[k] : lane0[k + 1]]
-            hdr = bytes([mode]) + mode_head + sz.astype("<u2").tobytes()
-            body = len(hdr) + int(sz.sum()) + n * NRAW
-        pieces.append((pos, struct.pack("<I", body) + hdr))
-        p0 = pos + 4 + len(hdr)
-        if mode == MODE_STORED:
-            sym_pos[c] = p0
-            raw_pos[c] = p0 + n
-        elif mode == MODE_CONST:
-            raw_pos[c] = p0
-        else:
-            lane_pos[lane0[k] : lane0[k + 1]] = p0 + np.concatenate(([0], np.cumsum(sz)[:-1]))
-            raw_pos[c] = p0 + int(sz.sum())
-            k += 1
-        pos += 4 + body
-    total = pos + 4
-    out = torch.empty(total, dtype=torch.uint8, device=dev)
-    hdr_bytes = np.frombuffer(b"".join(p for _, p in pieces), dtype=np.uint8)
-    hdr_idx = np.concatenate([np.arange(o, o + len(p), dtype=np.int64) for o, p in pieces])
-    out[torch.as_tensor(hdr_idx).to(dev)] = torch.as_tensor(hdr_bytes.copy()).to(dev)
-    _split_kernel[(triton.cdiv(numel, ELEM_BLOCK),)](
-        words,
-        out,
-        _dev_i64(raw_pos, dev),
-        _dev_i64(sym_pos, dev),
-        numel,
-        ce,
-        S=S,
-        WORD_MASK=WM,
-        NRAW=NRAW,
-        BLOCK=ELEM_BLOCK,
-    )
-    if coded:
-        _pack_kernel[grid](
-            words,
-            codes,
-            lens,
-            out,
-            _dev_i64(lane_pos, dev),
-            c_first,
-            c_n,
-            c_lanes,
-            c_lane0,
-            blocks,
-            S=S,
-            WORD_MASK=WM,
-            BLOCK_L=LANE_BLOCK,
-        )
-    crc = struct.pack("<I", crc32(out[:-4]))
-    out[-4:] = torch.frombuffer(bytearray(crc), dtype=torch.uint8).to(dev)
-    return out
-
-
-def decode(p: Parsed, device: torch.device, buf: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode a parsed version-2 payload onto ``device`` with the Triton kernels.
-
-    ``buf`` is the payload already on ``device`` (uploaded here otherwise). The
-    payload's CRC is checked here, on the device, before anything is returned.
-    """
-    from locomm.compression.lossless import DECODE_ERRORS, MODE_CONST, MODE_STORED, LosslessCodec
-
-    if buf is None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a read-only view: the kernels only read it
-            host = torch.frombuffer(p.mv, dtype=torch.uint8)
-        buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
-    if crc32(buf[:-4]) != struct.unpack("<I", p.mv[-4:])[0]:
-        raise CodecError("checksum mismatch: payload corrupted or truncated")
-    layout = p.layout
-    word_dtype = torch.int16 if layout.word.itemsize == 2 else torch.int32
-    out = torch.empty(p.numel, dtype=word_dtype, device=device)
-    if p.numel == 0:
-        return out.view(p.dtype).reshape(p.shape)
-    parser = LosslessCodec()
-    chunks = [parser.chunk(p, c) for c in range(len(p.spans))]
-    S, NRAW = layout.s, layout.nraw
-    coded = [ch for ch in chunks if ch.mode not in (MODE_CONST, MODE_STORED)]
-    if coded:
-        lane_counts = [len(ch.offsets) - 1 for ch in coded]
-        lane0 = np.zeros(len(coded) + 1, dtype=np.int64)
-        lane0[1:] = np.cumsum(lane_counts)
-        starts = np.concatenate([ch.offsets[:-1] for ch in coded])
-        ends = np.concatenate([ch.offsets[1:] for ch in coded])
-        dec = torch.as_tensor(np.stack([ch.table.dec.astype(np.int32) for ch in coded])).to(device)  # type: ignore[union-attr]
-        err = torch.zeros(int(lane0[-1]), dtype=torch.int32, device=device)
-        blocks = triton.cdiv(max(lane_counts), LANE_BLOCK)
-        _unpack_kernel[(len(coded) * blocks,)](
-            buf,
-            dec,
-            out,
-            _dev_i64(starts, device),
-            _dev_i64(ends, device),
-            err,
-            _dev_i64([ch.first for ch in coded], device),
-            _dev_i64([ch.n for ch in coded], device),
-            _dev_i64(lane_counts, device),
-            _dev_i64(lane0[:-1], device),
-            _dev_i64([ch.raw0 for ch in coded], device),
-            blocks,
-            S=S,
-            NRAW=NRAW,
-            BLOCK_L=LANE_BLOCK,
-        )
-        worst = int(err.max())
-        if worst:
-            raise CodecError(DECODE_ERRORS[-worst])
-    for ch in chunks:  # CONST and STORED chunks: a few elementwise ops where the output lies
-        if ch.mode not in (MODE_CONST, MODE_STORED):
-            continue
-        n = ch.n
-        rb = buf[ch.raw0 : ch.raw0 + n * NRAW].to(torch.int64).view(n, NRAW)
-        r = rb[:, 0]
-        for j in range(1, NRAW):
-            r = r | (rb[:, j] << (8 * j))
-        if ch.mode == MODE_CONST:
-            sym: torch.Tensor | int = ch.sym
-        else:
-            sym = buf[ch.offsets[0] : ch.offsets[0] + n].to(torch.int64)
-        w = ((r >> S) << (S + 8)) | (sym << S) | (r & ((1 << S) - 1))
-        if word_dtype == torch.int16:
-            w = torch.where(w >= 1 << 15, w - (1 << 16), w)
-        else:
-            w = torch.where(w >= 1 << 31, w - (1 << 32), w)
-        out[ch.first : ch.first + n] = w.to(word_dtype)
-    return out.view(p.dtype).reshape(p.shape)
-
-
-__all__ = ["decode", "encode", "encode_device"]
+__all__ = ["LanePlan", "chunk_histograms", "lane_bits", "lane_plan", "pack", "split", "unpack", "word_view"]

@@ -7,8 +7,9 @@ Notable:
   it (a larger |e|, or an equal one at a lower index; |e| compared as its
   float bits, NaN above infinity), which is the CPU codec's canonical order.
   A 64 x 64 comparison per chunk costs nothing next to the memory traffic.
-- The two levels are a Lloyd fit over the selected magnitudes, run with
-  torch's float64 reductions where the tensor lies (no copy of the tensor).
+- Between the two launches the caller (the codec) fits the two levels over
+  the selected magnitudes, with torch's float64 reductions where the tensor
+  lies (no copy of the tensor), and hands them to the second kernel.
 - The second kernel packs each selected element into one byte and
   subtracts what the receiver will rebuild from the error buffer.
 - ``e * beta + x`` is rounded twice, as on the CPU: on a GPU the product is
@@ -114,31 +115,46 @@ def _pack_kernel(
         tl.store(e_ptr + pos, e - dhat, mask=pm)
 
 
-def encode(x: torch.Tensor, error: torch.Tensor | None, beta: float, k: int) -> tuple[torch.Tensor, float, float]:
-    """(packed uint8 (C * k,), lo, hi) for ``x``; updates ``error`` (fp32, flat, x's device) in place."""
-    from locomm.compression.topk2bit import _two_levels
+def select(x: torch.Tensor, error: torch.Tensor | None, beta: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx int32 (C * k,), values fp32 (C * k,)): each chunk of 64's k largest |e|, ascending index order.
 
+    With ``error`` (fp32, flat, on x's device) it is updated in place first
+    (e = beta e + x) and the selection is made on it; without, on ``x``.
+    """
     dev = x.device
     flat = x.detach().reshape(-1).contiguous()
     n = flat.numel()
     n_chunks = -(-n // CHUNK)
-    if n_chunks == 0:
-        return torch.empty(0, dtype=torch.uint8, device=dev), 0.0, 0.0
     idx = torch.empty(n_chunks * k, dtype=torch.int32, device=dev)
     sel = torch.empty(n_chunks * k, dtype=torch.float32, device=dev)
+    if n_chunks == 0:
+        return idx, sel
     ef = error is not None
-    e_arg = error if ef else sel
     no_fma = dev.type == "cuda" and not interpreting()
     _select_kernel[(triton.cdiv(n_chunks, CHUNKS),)](
-        flat, e_arg, idx, sel, n, n_chunks, float(beta), K=k, EF=ef, NO_FMA=no_fma, CHUNKS_=CHUNKS
+        flat, error if ef else sel, idx, sel, n, n_chunks, float(beta), K=k, EF=ef, NO_FMA=no_fma, CHUNKS_=CHUNKS
     )
-    lo, hi = _two_levels(sel.abs())
+    return idx, sel
+
+
+def pack(
+    idx: torch.Tensor, sel: torch.Tensor, error: torch.Tensor | None, n: int, k: int, lo: float, hi: float
+) -> torch.Tensor:
+    """uint8 (C * k,): index << 2 | sign << 1 | (|v| >= the levels' midpoint), from :func:`select`'s output.
+
+    ``lo``/``hi`` are the two magnitude levels; with ``error`` (``n``
+    elements) what the receiver rebuilds is subtracted from it in place.
+    """
+    total = idx.numel()
+    packed = torch.empty(total, dtype=torch.uint8, device=idx.device)
+    if total == 0:
+        return packed
+    ef = error is not None
     thr = float(torch.tensor((lo + hi) / 2, dtype=torch.float32))
-    packed = torch.empty(n_chunks * k, dtype=torch.uint8, device=dev)
-    _pack_kernel[(triton.cdiv(n_chunks * k, PACK_BLOCK),)](
-        idx, sel, e_arg, packed, n_chunks * k, n, lo, hi, thr, USE_HI=hi > lo, K=k, EF=ef, BLOCK=PACK_BLOCK
+    _pack_kernel[(triton.cdiv(total, PACK_BLOCK),)](
+        idx, sel, error if ef else sel, packed, total, n, lo, hi, thr, USE_HI=hi > lo, K=k, EF=ef, BLOCK=PACK_BLOCK
     )
-    return packed, lo, hi
+    return packed
 
 
-__all__ = ["encode"]
+__all__ = ["pack", "select"]

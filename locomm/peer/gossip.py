@@ -33,17 +33,16 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind.p2p import P2P
 
 from locomm.compression.payload import Part, PayloadCodec, PayloadError
 from locomm.peer.rpc import Call, Limits, Link, RpcServer, Service, TransferCut, Unreachable, open_link
+from locomm.peer.transfers import Faults, GossipStats, Incoming, Outgoing
 from locomm.protocol.messages import (
     FAULT_CODES,
     ErrorCode,
@@ -54,14 +53,15 @@ from locomm.protocol.messages import (
     transfer_fields,
     validate_transfer,
 )
+from locomm.protocol.rounds import RECEIVE_WINDOW  # payload buffers only for rounds this close to ours
 from locomm.protocol.timing import ema
+
+__all__ = ["Faults", "Gossip", "GossipStats", "Incoming", "Outgoing"]
 
 log = logging.getLogger(__name__)
 
 ROUND_WINDOW = 4
 """Pushes for rounds more than this far from ours are refused (STALE_ROUND, not a fault)."""
-RECEIVE_WINDOW = 1
-"""Payload buffers are allocated only for rounds within this distance of ours."""
 MAX_SENDERS_PER_ROUND = 64
 PULL_RETRY_S = 3.0
 PUSH_ATTEMPTS = 3
@@ -80,85 +80,6 @@ _REFUSALS = {
     ErrorCode.UNAUTHORIZED,
 }
 """Answers after which the partner will not send us its payload this round."""
-
-
-@dataclass
-class GossipStats:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    exchanges_ok: int = 0
-    """Partner-rounds whose payload arrived."""
-    exchanges_failed: int = 0
-    """Partner-rounds whose payload did not arrive in time."""
-    bytes_undelivered: int = 0
-    """Part of bytes_sent that went into pushes the partner refused or cut (a retry sends them again)."""
-    pushes_ok: int = 0
-    pushes_failed: int = 0
-    pulls: int = 0
-    unreachable: int = 0
-    last_exchange: float = 0.0
-    up_Bps: float = 0.0
-    """Measured upload rate (bytes/s per partner stream set), an EMA over pushes."""
-
-
-class Faults:
-    """Faults per peer and the local ban list."""
-
-    def __init__(self, max_faults: int) -> None:
-        self.max_faults = max_faults
-        self.count: dict[str, int] = defaultdict(int)
-        self.banned: set[str] = set()
-
-    @property
-    def total(self) -> int:
-        return sum(self.count.values())
-
-    def record(self, peer: str, why: str) -> None:
-        self.count[peer] += 1
-        log.warning("fault from %s (%d): %s", peer[-8:], self.count[peer], why)
-        if self.count[peer] >= self.max_faults and peer not in self.banned:
-            self.banned.add(peer)
-            log.warning("banned %s after %d faults", peer[-8:], self.count[peer])
-
-
-class Outgoing:
-    """One round's payload, encoded part by part in the codec pool once for every partner."""
-
-    def __init__(
-        self, round_idx: int, payload: Mapping[str, Any], codec: PayloadCodec, server: RpcServer, peers: list[str]
-    ) -> None:
-        self.round = round_idx
-        self.peers = set(peers)
-        self.codec = codec
-        self.enc = {t.name: len(payload[t.name]) for t in codec.tensors if t.encoded}
-        self.parts = codec.parts(self.enc)
-        self.xfer = random.getrandbits(31)
-        self.delivered: set[str] = set()
-        loop = asyncio.get_running_loop()
-        self._futures = [loop.run_in_executor(server.pool, codec.encode_part, payload, p) for p in self.parts]
-
-    async def get(self, i: int) -> bytes:
-        return await self._futures[i]
-
-    def close(self) -> None:
-        for f in self._futures:
-            f.cancel()
-
-
-@dataclass
-class Incoming:
-    """A payload being received from one peer for one round (over one or more streams)."""
-
-    xfer: int
-    dest: dict[str, Any]
-    expected: set[Part]
-    claimed: set[Part] = field(default_factory=set)
-    done: set[Part] = field(default_factory=set)
-    last_progress: float = field(default_factory=time.monotonic)
-
-    @property
-    def complete(self) -> bool:
-        return self.done == self.expected
 
 
 class Gossip:
@@ -324,9 +245,8 @@ class Gossip:
             # Resend only what was refused: a stream answered OK holds its parts on the receiver already,
             # and sending them again under the same xfer is a duplicate claim (UNEXPECTED_TENSOR, a fault).
             pending = [i for i in pending if i not in delivered]
-            if outcome not in (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_READY, "reset") or not pending:
-                break
-            if out.round < self.current_round - 1:
+            retry = outcome in (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_READY, "reset")
+            if not retry or not pending or out.round < self.current_round - 1:
                 break
             await asyncio.sleep(1.0 + attempt)
         if outcome == "reset":
@@ -338,12 +258,8 @@ class Gossip:
             if outcome == "unreachable":
                 self.stats.unreachable += 1
                 self.unreachable[out.round].add(peer)
-            log.info(
-                "push to %s for round %d: %s",
-                peer[-8:],
-                out.round,
-                outcome if isinstance(outcome, str) else outcome.name,
-            )
+            why = outcome if isinstance(outcome, str) else outcome.name
+            log.info("push to %s for round %d: %s", peer[-8:], out.round, why)
         return outcome
 
     async def _push_once(self, peer: str, out: Outgoing, which: list[int]) -> tuple[ErrorCode | str, set[int]]:
@@ -508,35 +424,27 @@ class Gossip:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.arrived.wait(), 0.5)
             await asyncio.gather(*pushes.values(), return_exceptions=True)
-        finally:
-            for t in [*pushes.values(), *pulls.values()]:
-                if not t.done():
-                    t.cancel()
+        finally:  # every push and pull this exchange started is over when it returns
+            tasks = [*pushes.values(), *pulls.values()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         got = {p: v for p, v in self.mailbox.get(round_idx, {}).items() if p in set(peers)}
         self.stats.exchanges_ok += len(got)
         self.stats.exchanges_failed += len(peers) - len(got)
         if got:
             self.stats.last_exchange = time.time()
-        missing = set(peers) - set(got)
-        if missing:
-            log.info(
-                "round %d: no payload from %s; going on with %d of %d",
-                round_idx,
-                ", ".join(m[-8:] for m in missing),
-                len(got),
-                len(peers),
-            )
+        if missing := ", ".join(m[-8:] for m in set(peers) - set(got)):
+            log.info("round %d: no payload from %s; going on with %d of %d", round_idx, missing, len(got), len(peers))
         return got
 
     def advance(self, round_idx: int) -> None:
         """We are now in ``round_idx``: drop mailbox rounds and buffers that can no longer be used."""
-        self.current_round = round_idx
-        for r in [r for r in self.mailbox if r < round_idx - 1]:
-            del self.mailbox[r]
-        for key in [k for k in self.incoming if k[1] < round_idx - 1]:
+        self.current_round, old = round_idx, round_idx - 1
+        for key in [k for k in self.incoming if k[1] < old]:
             del self.incoming[key]
-        for r in [r for r in self.outgoing if r < round_idx - 1]:
+        for r in [r for r in self.outgoing if r < old]:
             self.outgoing.pop(r).close()
-        for d in (self.unreachable, self.pull_hints):
-            for r in [r for r in d if r < round_idx - 1]:
+        for d in (self.mailbox, self.unreachable, self.pull_hints):
+            for r in [r for r in d if r < old]:
                 del d[r]

@@ -1,0 +1,97 @@
+"""The bookkeeping of the exchange layer: one round's outgoing payload, one incoming payload, the
+counters, and the per-peer fault ledger with its local ban list (used by every service on the host)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from locomm.compression.payload import Part, PayloadCodec
+from locomm.peer.rpc import RpcServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GossipStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    exchanges_ok: int = 0
+    """Partner-rounds whose payload arrived."""
+    exchanges_failed: int = 0
+    """Partner-rounds whose payload did not arrive in time."""
+    bytes_undelivered: int = 0
+    """Part of bytes_sent that went into pushes the partner refused or cut (a retry sends them again)."""
+    pushes_ok: int = 0
+    pushes_failed: int = 0
+    pulls: int = 0
+    unreachable: int = 0
+    last_exchange: float = 0.0
+    up_Bps: float = 0.0
+    """Measured upload rate (bytes/s per partner stream set), an EMA over pushes."""
+
+
+class Faults:
+    """Faults per peer and the local ban list."""
+
+    def __init__(self, max_faults: int) -> None:
+        self.max_faults = max_faults
+        self.count: dict[str, int] = defaultdict(int)
+        self.banned: set[str] = set()
+
+    @property
+    def total(self) -> int:
+        return sum(self.count.values())
+
+    def record(self, peer: str, why: str) -> None:
+        self.count[peer] += 1
+        log.warning("fault from %s (%d): %s", peer[-8:], self.count[peer], why)
+        if self.count[peer] >= self.max_faults and peer not in self.banned:
+            self.banned.add(peer)
+            log.warning("banned %s after %d faults", peer[-8:], self.count[peer])
+
+
+class Outgoing:
+    """One round's payload, encoded part by part in the codec pool once for every partner."""
+
+    def __init__(
+        self, round_idx: int, payload: Mapping[str, Any], codec: PayloadCodec, server: RpcServer, peers: list[str]
+    ) -> None:
+        self.round = round_idx
+        self.peers = set(peers)
+        self.codec = codec
+        self.enc = {t.name: len(payload[t.name]) for t in codec.tensors if t.encoded}
+        self.parts = codec.parts(self.enc)
+        self.xfer = random.getrandbits(31)
+        self.delivered: set[str] = set()
+        loop = asyncio.get_running_loop()
+        self._futures = [loop.run_in_executor(server.pool, codec.encode_part, payload, p) for p in self.parts]
+
+    async def get(self, i: int) -> bytes:
+        return await self._futures[i]
+
+    def close(self) -> None:
+        for f in self._futures:
+            f.cancel()
+
+
+@dataclass
+class Incoming:
+    """A payload being received from one peer for one round (over one or more streams)."""
+
+    xfer: int
+    dest: dict[str, Any]
+    expected: set[Part]
+    claimed: set[Part] = field(default_factory=set)
+    done: set[Part] = field(default_factory=set)
+    last_progress: float = field(default_factory=time.monotonic)
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.expected

@@ -1,4 +1,4 @@
-"""Pipeline mode in one process: S stages x R replicas on the sans-IO core, and a cost model for its timeline.
+"""Pipeline mode in one process: S stages x R replicas on the sans-IO core, on the stage daemon's schedule.
 
 Notable:
 - Every stage replica is a real :class:`locomm.train.stage.StageWorker` (the stage
@@ -6,29 +6,34 @@ Notable:
   :class:`locomm.compression.boundary.BoundaryCoder`, so lossy stages really change what the
   next stage sees and the bytes counted are those the daemon sends (token window,
   activation, gradient).
-- Routing is the daemon's: :func:`locomm.protocol.routing.route`, seeded per micro-batch.
-  Stage-0 replica r draws its own data shard (worker r of R). Steps follow the
-  workers' own rule (a replica steps after a batch's worth of micro-batches).
-- Every ``outer.inner_steps`` steps the replicas of each stage run the configured outer
-  algorithm (``protocol/``, unchanged) on that stage's parameters, through the daemon's
-  payload codec; the result is re-projected onto span(U).
-- The network is recorded, not lived (as in ``sim/simulator.py``): each micro-batch's
-  route and bytes are logged, and :func:`replay` turns the log into a timeline for any
-  link speed and compute speed: a discrete-event run of the 1F1B schedule (each stage
-  replica computes one task at a time, backward before forward; each replica's uplink
-  sends one message at a time; a stage-0 replica keeps ``in_flight`` micro-batches
-  outstanding and starts its next batch when the last one's backward is back). It gives
-  the bubble fraction (share of stage-replica time not computing) and tokens/s.
+- Routing is the daemon's: :func:`locomm.protocol.routing.route`, seeded by (run seed,
+  origin, the origin's micro-batch counter, stage) over the replicas' names (``names``: the
+  peer ids of a real swarm, to draw exactly its routes; evaluation micro-batches count too,
+  as in the daemon). Stage-0 replica r draws data shard r of R (``shards`` to change that).
+- The stage daemon's schedule (``peer/stage.py``): stage 0 steps after each batch, a later
+  stage after every batch's worth of micro-batches it served (``StageWorker.maybe_step``).
+  Each replica's data clock (stage 0: its step; later stages: the largest stage-0 step
+  among the micro-batches it served) ends replica-sync round r at (r + 1) H; the replicas
+  of a stage then run the outer algorithm on that stage's parameters through the daemon's
+  payload codec (``protocol/rounds.py``): round r's exchange is applied at the end of round
+  r + 1, keeping the local progress made meanwhile (``overlap=False``: applied as soon as
+  every partner has planned the round), then re-projected onto span(U). A sibling that has
+  not planned the round yet is waited for (the daemon waits up to ``timing.sibling_wait_s``;
+  the simulator has no clock); a round still incomplete when training ends is dropped, as
+  the daemon's last settle gives up on it. A single replica runs its outer step alone, as
+  the daemon does.
+- Micro-batches run one at a time in the order (step, micro-batch, stage-0 replica), the
+  order a daemon with ``in_flight = 1`` sees when the stage-0 replicas take turns.
+- The network is recorded, not lived: :mod:`locomm.sim.pipeline_replay` re-times the
+  record (1F1B, replica syncs overlapped as above) for any link and compute speed.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,63 +44,35 @@ from locomm.config import ConfigError, RunSpec
 from locomm.data import BatchSampler, TokenSplits, eval_batches, load_corpus
 from locomm.model.stages import Geometry, StageModule, build_stages
 from locomm.protocol import build_outer
+from locomm.protocol.rounds import Planned, Rounds
 from locomm.protocol.routing import route
+from locomm.protocol.timing import Limits
+from locomm.sim.pipeline_replay import (
+    MicroTrace,
+    PipelineResult,
+    Timeline,
+    flops_stage_s,
+    overlap_by_stage,
+    replay,
+    summarize,
+)
 from locomm.train.stage import StageWorker
 
-
-@dataclass(frozen=True)
-class MicroTrace:
-    """One micro-batch on the network: its route and the bytes of each boundary crossing."""
-
-    origin: int
-    route: tuple[int, ...]
-    """The replica of each stage (route[0] == origin)."""
-    fwd_bytes: tuple[int, ...]
-    """Per boundary b (stage b -> b+1): token window plus coded activation."""
-    bwd_bytes: tuple[int, ...]
-    """Per boundary b (stage b+1 -> b): coded activation gradient."""
-
-
-@dataclass
-class PipelineResult:
-    stages: int
-    replicas: int
-    steps: int
-    tokens_per_step: int
-    subspace: bool
-    k: int
-    tokens_per_micro: int
-    eval_steps: list[int] = field(default_factory=list)
-    val_loss: list[float] = field(default_factory=list)
-    train_loss: list[float] = field(default_factory=list)
-    traces: list[list[MicroTrace]] = field(default_factory=list)
-    """Per step, its micro-batches in the order they entered."""
-    sync_bytes: list[dict[int, float]] = field(default_factory=list)
-    """Per outer round, the bytes one replica of each stage sent to each partner."""
-    sync_steps: list[int] = field(default_factory=list)
-    fwd_s: list[float] = field(default_factory=list)
-    """Measured seconds of one micro-batch's forward at each stage (this machine)."""
-    bwd_s: list[float] = field(default_factory=list)
-    wall_s: float = 0.0
-
-    @property
-    def final_val_loss(self) -> float:
-        return self.val_loss[-1]
-
-    def bytes_per_token_per_boundary(self) -> dict[str, float]:
-        """Forward, backward and their sum, per token per boundary crossing, after all coding."""
-        fwd = bwd = tokens = 0
-        for step in self.traces:
-            for mb in step:
-                fwd += sum(mb.fwd_bytes)
-                bwd += sum(mb.bwd_bytes)
-                tokens += self.tokens_per_micro * len(mb.fwd_bytes)
-        tokens = max(1, tokens)
-        return {"forward": fwd / tokens, "backward": bwd / tokens, "total": (fwd + bwd) / tokens}
+__all__ = [
+    "MicroTrace",
+    "PipelineResult",
+    "PipelineSim",
+    "Timeline",
+    "flops_stage_s",
+    "overlap_by_stage",
+    "replay",
+    "run_pipeline_simulation",
+    "summarize",
+]
 
 
 class PipelineSim:
-    """S stages x R replicas of one run spec, trained in one process."""
+    """S stages x R replicas of one run spec, trained in one process on the stage daemon's schedule."""
 
     def __init__(
         self,
@@ -105,40 +82,64 @@ class PipelineSim:
         splits: TokenSplits | None = None,
         subspace: bool | None = None,
         eval_every: int = 0,
+        overlap: bool = True,
+        names: Sequence[Sequence[str | int]] | None = None,
+        shards: Sequence[tuple[int, int]] | None = None,
     ) -> None:
+        """``names[s][r]``: the routing and membership id of replica r of stage s (default: r).
+        ``shards[r]``: the data shard (index, count) of stage-0 replica r (default: (r, R))."""
         if spec.pipeline.stages < 2:
             raise ConfigError("pipeline.stages: the pipeline simulator needs at least 2 stages")
         if not 1 <= replicas <= 16:
             raise ConfigError(f"replicas: must be in [1, 16], got {replicas}")
         self.spec = spec
         self.S, self.R = spec.pipeline.stages, replicas
+        self.names = [list(n) for n in names] if names is not None else [list(range(replicas))] * self.S
+        if len(self.names) != self.S or any(len(n) != replicas for n in self.names):
+            raise ConfigError(f"names: one name per replica of each of the {self.S} stages")
         self.geo = Geometry.of(spec, subspace=subspace)
         self.coder = BoundaryCoder(spec, self.geo)
         self.splits = splits if splits is not None else load_corpus(spec.data)
         self.eval_every = eval_every
+        self.overlap = overlap
+        self.limits = Limits.from_network(spec.network)
         # Every replica starts from the same weights: each builds the same unsplit model and slices it.
-        self.workers = [[None] * self.S for _ in range(self.R)]  # type: list[list[Any]]
+        self.workers: list[list[Any]] = [[None] * self.S for _ in range(self.R)]
         for r in range(self.R):
             for s, mod in enumerate(build_stages(spec, self.geo)):
                 self.workers[r][s] = StageWorker(spec, s, geo=self.geo, module=mod)
+        shards = list(shards) if shards is not None else [(r, self.R) for r in range(self.R)]
         self.samplers = [
-            BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=r, num_workers=self.R)
-            for r in range(self.R)
+            BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=i, num_workers=n)
+            for i, n in shards
         ]
         self._val = eval_batches(self.splits.val, spec.data, spec.train.eval_batches)
         self.M = spec.data.batch_size // spec.pipeline.micro_batch_size
         self.mb_size = spec.pipeline.micro_batch_size
+        self.H = spec.outer.inner_steps
         self.algos: list[list[Any]] = []
+        self.rounds: list[list[Rounds]] = []
         self.coders: list[PayloadCodec] = []
-        if self.R > 1 and spec.outer.algo not in ("none", "ddp"):
+        if spec.outer.algo not in ("none", "ddp"):
             for s in range(self.S):
-                self.algos.append([build_outer(spec.outer, self.workers[r][s].params(), r) for r in range(self.R)])
-                a0 = self.algos[s][0]
+                algos = [build_outer(spec.outer, self.workers[r][s].params(), self.names[s][r]) for r in range(self.R)]
+                self.algos.append(algos)
+                self.rounds.append([Rounds(a, self.H, overlap=overlap) for a in algos])
                 shapes = {k: tuple(p.shape) for k, p in self.workers[0][s].params().items()}
+                a0 = algos[0]
                 self.coders.append(PayloadCodec(shapes, a0.payload_roles, spec.compression, encoded=a0.payload_encoded))
-        self._mb_id = 0
-        self._t = defaultdict(float)
-        self._n = defaultdict(int)
+        self.mb_seq = [0] * self.R
+        """Each stage-0 replica's micro-batch counter (the daemon's ``_mb_seq``: evaluation included)."""
+        self.clock = [[0] * self.R for _ in range(self.S)]
+        """Data clocks of the stages after 0 (stage 0's is its step)."""
+        self.rounds_due = [[0] * self.R for _ in range(self.S)]
+        self.due: list[list[list[int]]] = [[[] for _ in range(self.R)] for _ in range(self.S)]
+        """Rounds whose sync fell due and waits for the previous exchange to be complete."""
+        self.wire: dict[tuple[int, int], dict[Any, Any]] = defaultdict(dict)
+        """(stage, round) -> {name: the payload as partners receive it} of every replica that planned it."""
+        self._sync_rec: dict[int, tuple[dict[int, float], dict[tuple[int, int], list[int]]]] = {}
+        self._t: dict[tuple[str, int], float] = defaultdict(float)
+        self._n: dict[tuple[str, int], int] = defaultdict(int)
 
     # -- one micro-batch -----------------------------------------------------------------
 
@@ -149,71 +150,136 @@ class PipelineSim:
         self._n[key] += 1
         return out
 
+    def _path(self, origin: int, mb: int) -> list[int]:
+        """The replica of each stage that micro-batch ``mb`` of stage-0 replica ``origin`` is routed to."""
+        seed, o = self.spec.train.seed, self.names[0][origin]
+        return [origin] + [self.names[s].index(route(seed, o, mb, s, self.names[s])) for s in range(1, self.S)]
+
     def micro_batch(self, origin: int, window: torch.Tensor) -> tuple[float, MicroTrace]:
         """Forward through a routed path of replicas, backward along the same path; returns the loss."""
-        mb = self._mb_id
-        self._mb_id += 1
+        mb = self.mb_seq[origin]
+        self.mb_seq[origin] += 1
+        step = self.workers[origin][0].step  # the header's step: stage 0's data clock
         x, y = window[:, :-1], window[:, 1:]
-        path = [origin] + [int(route(self.spec.train.seed, origin, mb, s, range(self.R))) for s in range(1, self.S)]
+        path = self._path(origin, mb)
+        tok = len(self.coder.encode_window(window))
         fwd_b, bwd_b = [], []
         h: torch.Tensor | None = None
         for s in range(self.S - 1):
-            w = self.workers[path[s]][s]
-            h = self._timed(("f", s), w.forward, mb, x, h)
+            key = mb if s == 0 else (origin, mb)
+            h = self._timed(("f", s), self.workers[path[s]][s].forward, key, x, h)
             data = self.coder.encode_activation(h, x)
-            fwd_b.append(len(data) + len(self.coder.encode_window(window)))
+            fwd_b.append(len(data) + tok)
             h = self.coder.decode_activation(data, x)
-        last = self.workers[path[-1]][self.S - 1]
-        loss, g = self._timed(("fb", self.S - 1), last.forward_backward, x, y, h)
+            self.clock[s + 1][path[s + 1]] = max(self.clock[s + 1][path[s + 1]], step)
+        last = self.S - 1
+        loss, g = self._timed(("fb", last), self.workers[path[last]][last].forward_backward, x, y, h)
+        self._after_backward(last, path[last])
         for s in range(self.S - 2, -1, -1):
             data = self.coder.encode_gradient(g, x)
             bwd_b.append(len(data))
-            g = self._timed(("b", s), self.workers[path[s]][s].backward, mb, self.coder.decode_gradient(data, x))
-        for s in range(self.S):
-            self.workers[path[s]][s].maybe_step()
+            key = mb if s == 0 else (origin, mb)
+            g = self._timed(("b", s), self.workers[path[s]][s].backward, key, self.coder.decode_gradient(data, x))
+            if s > 0:
+                self._after_backward(s, path[s])
         return loss, MicroTrace(origin, tuple(path), tuple(fwd_b), tuple(reversed(bwd_b)))
 
-    # -- outer rounds ----------------------------------------------------------------------
+    # -- the stage daemon's schedule -------------------------------------------------------
 
-    def _sync(self, round_idx: int) -> dict[int, float]:
-        """Every stage's replicas run the outer algorithm on that stage's parameters."""
-        sent: dict[int, float] = {}
-        members = list(range(self.R))
-        for s in range(self.S):
-            params = [self.workers[r][s].params() for r in range(self.R)]
-            plans = [self.algos[s][r].plan(round_idx, members, params[r]) for r in range(self.R)]
-            wire, size = [], 0.0
-            for plan in plans:
-                received, nbytes = self.coders[s].transmit(plan.payload)
-                wire.append(received)
-                size = max(size, nbytes)
-            for r, plan in enumerate(plans):
-                got = {r: plan.payload, **{j: wire[j] for j in plan.peers}}
-                self.algos[s][r].apply(round_idx, params[r], got)
-                self.workers[r][s].module.project_()
-            sent[s] = size
-        return sent
+    def _after_backward(self, s: int, j: int) -> None:
+        """A stage after 0 served a micro-batch: step when due, start a sync round its data clock ended."""
+        self.workers[j][s].maybe_step()
+        self._clock_moved(s, j, self.clock[s][j])
+
+    def _stage0_step(self, r: int) -> bool:
+        """Stage-0 replica r steps after its batch; returns whether a sync round ended there."""
+        w = self.workers[r][0]
+        if w.accumulated:
+            w.apply_step()
+        else:  # every micro-batch of the batch was lost: the step is skipped, the schedule goes on
+            w.step += 1
+        return self._clock_moved(0, r, w.step)
+
+    def _clock_moved(self, s: int, j: int, clock: int) -> bool:
+        done = clock // self.H
+        if done <= self.rounds_due[s][j] or not self.rounds:
+            return False
+        self.rounds_due[s][j] = done
+        self.due[s][j].append(done - 1)
+        self._drain(s)
+        return True
+
+    def _drain(self, s: int) -> None:
+        """Settle and plan what can be: a sync that fell due first applies the previous round (one round late,
+        once every partner has planned it), then plans its own; blocking: applied as soon as it is complete."""
+        moved = True
+        while moved:
+            moved = False
+            for j in range(self.R):
+                rs = self.rounds[s][j]
+                if rs.pending is not None and (self.due[s][j] or not self.overlap) and self._complete(s, rs.pending):
+                    self._settle(s, j)
+                    moved = True
+                if self.due[s][j] and rs.pending is None:
+                    self._plan(s, j, self.due[s][j].pop(0))
+                    moved = True
+
+    def _complete(self, s: int, planned: Planned) -> bool:
+        return all(p in self.wire[(s, planned.round_idx)] for p in planned.exchange.peers)
+
+    def _settle(self, s: int, j: int) -> None:
+        rs = self.rounds[s][j]
+        assert rs.pending is not None
+        r = rs.pending.round_idx
+        got = {p: self.wire[(s, r)][p] for p in rs.pending.exchange.peers}
+        rs.settle(self.workers[j][s].params(), rs.pending.received(self.names[s][j], got))
+        self.workers[j][s].module.project_()
+        oldest = min(x.pending.round_idx if x.pending is not None else r + 1 for x in self.rounds[s])
+        for key in [k for k in self.wire if k[0] == s and k[1] < oldest]:
+            del self.wire[key]
+
+    def _plan(self, s: int, j: int, r: int) -> None:
+        planned = self.rounds[s][j].start(r, sorted(self.names[s]), self.workers[j][s].params())
+        received, nbytes = self.coders[s].transmit(planned.exchange.payload)
+        self.wire[(s, r)][self.names[s][j]] = received
+        sizes, peers = self._sync_rec.setdefault(r, ({}, {}))
+        sizes[s] = max(sizes.get(s, 0.0), float(nbytes))
+        peers[(s, j)] = [self.names[s].index(p) for p in planned.exchange.peers]
+
+    def _settle_last(self) -> None:
+        """The end of the run: a complete pending round is applied, an incomplete one dropped (the daemon's last
+        settle gives up on it)."""
+        for s in range(len(self.rounds)):
+            for j, rs in enumerate(self.rounds[s]):
+                self.due[s][j].clear()
+                if rs.pending is not None and self._complete(s, rs.pending):
+                    self._settle(s, j)
+                rs.pending = None
 
     # -- the run ---------------------------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean over replica chains (replica r of every stage) of the validation loss, through the wire's coding."""
-        total = []
+        """Mean over stage-0 replicas of the validation loss through routed replicas and the wire's coding, as
+        the daemon's stage 0 evaluates (each micro-batch takes a number of its origin's counter)."""
+        mbs = self.mb_size
+        per_origin = []
         for r in range(self.R):
-            mods = [self.workers[r][s].module for s in range(self.S)]
-            for m in mods:
-                m.eval()
-            acc = 0.0
+            total, n = 0.0, 0
             for x, y in self._val:
-                h = None
-                for m in mods:
-                    if h is not None:
-                        h = self.coder.decode_activation(self.coder.encode_activation(h, x), x)
-                    h = m(x, h)
-                acc += float(StageModule.loss(h, y))
-            total.append(acc / len(self._val))
-        return sum(total) / len(total)
+                for i in range(0, x.shape[0], mbs):
+                    xs, ys = x[i : i + mbs], y[i : i + mbs]
+                    mb = self.mb_seq[r]
+                    self.mb_seq[r] += 1
+                    path = self._path(r, mb)
+                    h = _eval(self.workers[r][0].module, xs, None)
+                    for s in range(1, self.S):
+                        h = self.coder.decode_activation(self.coder.encode_activation(h, xs), xs)
+                        h = _eval(self.workers[path[s]][s].module, xs, h)
+                    total += float(StageModule.loss(h, ys))
+                    n += 1
+            per_origin.append(total / max(1, n))
+        return sum(per_origin) / len(per_origin)
 
     def run(self, steps: int, on_step: Callable[[int, PipelineResult], None] | None = None) -> PipelineResult:
         if steps < 1:
@@ -226,32 +292,37 @@ class PipelineSim:
             subspace=self.geo.subspace,
             k=self.geo.k,
             tokens_per_micro=self.mb_size * self.spec.data.seq_len,
+            overlap=self.overlap,
         )
         t0 = time.perf_counter()
         res.eval_steps.append(0)
         res.val_loss.append(self.evaluate())
-        H = self.spec.outer.inner_steps
         for step in range(steps):
             batches = [self.samplers[r].next() for r in range(self.R)]
             windows = [torch.cat([x, y[:, -1:]], dim=1) for x, y in batches]
             traces, losses = [], []
-            for m in range(self.M):  # stage-0 replicas feed the pipeline in turn
+            for m in range(self.M):  # stage-0 replicas take turns, one micro-batch in flight
                 for r in range(self.R):
                     loss, tr = self.micro_batch(r, windows[r][m * self.mb_size : (m + 1) * self.mb_size])
                     losses.append(loss)
                     traces.append(tr)
+            synced = [self._stage0_step(r) for r in range(self.R)]
+            if any(synced):
+                res.sync_steps.append(step + 1)
             res.traces.append(traces)
             res.train_loss.append(sum(losses) / len(losses))
             if not math.isfinite(res.train_loss[-1]):
                 raise FloatingPointError(f"training loss became {res.train_loss[-1]} at step {step}")
-            if self.algos and (step + 1) % H == 0:
-                res.sync_bytes.append(self._sync((step + 1) // H - 1))
-                res.sync_steps.append(step + 1)
             if self.eval_every and (step + 1) % self.eval_every == 0 and step + 1 < steps:
                 res.eval_steps.append(step + 1)
                 res.val_loss.append(self.evaluate())
             if on_step:
                 on_step(step, res)
+        self._settle_last()
+        for r in range(len(res.sync_steps)):
+            sizes, peers = self._sync_rec.get(r, ({}, {}))
+            res.sync_bytes.append(sizes)
+            res.sync_peers.append(peers)
         res.eval_steps.append(steps)
         res.val_loss.append(self.evaluate())
         res.wall_s = time.perf_counter() - t0
@@ -273,228 +344,12 @@ class PipelineSim:
         return out
 
 
-# ------------------------------------------------------------------------------ the cost model
-
-
-def flops_stage_s(params: int, layers: int, tokens: int, seq: int, d: int, tflops: float) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch at one stage: 2 FLOPs per parameter per token forward,
-    plus causal attention (2 T d per token per layer), and twice that backward."""
-    if tflops <= 0 or math.isnan(tflops):
-        raise ValueError(f"tflops must be positive, got {tflops}")
-    fwd = (2 * params + 2 * layers * seq * d) * tokens / (tflops * 1e12)
-    return fwd, 2 * fwd
-
-
-@dataclass
-class Timeline:
-    wall_s: float
-    busy_s: dict[tuple[int, int], float]
-    """Compute seconds of each (stage, replica)."""
-    overlap_share: dict[int, float]
-    """Per stage: the share of its computing time (any replica) during which another stage computed too."""
-
-    def bubble_fraction(self) -> float:
-        n = len(self.busy_s)
-        return 1.0 - sum(self.busy_s.values()) / (n * self.wall_s) if self.wall_s > 0 and n else 0.0
-
-
-def replay(
-    res: PipelineResult,
-    *,
-    fwd_s: list[float],
-    bwd_s: list[float],
-    link_bps: float,
-    latency_s: float,
-    in_flight: int,
-    sync_bps: float | None = None,
-) -> Timeline:
-    """The 1F1B timeline of a recorded run (see the module docstring)."""
-    S, R = res.stages, res.replicas
-    events: list[tuple[float, int, Callable[[float], None]]] = []
-    seq = [0]
-
-    def at(t: float, fn: Callable[[float], None]) -> None:
-        seq[0] += 1
-        heapq.heappush(events, (t, seq[0], fn))
-
-    free_at: dict[Any, float] = defaultdict(float)
-    queue: dict[tuple[int, int], list[tuple[int, float, int, float, Callable[[float], None]]]] = defaultdict(list)
-    running: dict[tuple[int, int], bool] = defaultdict(bool)
-    busy: dict[tuple[int, int], float] = {(s, r): 0.0 for s in range(S) for r in range(R)}
-    intervals: list[tuple[float, float, int]] = []
-
-    def compute(node: tuple[int, int], prio: int, dur: float, then: Callable[[float], None], t: float) -> None:
-        seq[0] += 1
-        heapq.heappush(queue[node], (prio, t, seq[0], dur, then))
-        kick(node, t)
-
-    def kick(node: tuple[int, int], t: float) -> None:
-        if running[node] or not queue[node]:
-            return
-        _, _, _, dur, then = heapq.heappop(queue[node])
-        running[node] = True
-        busy[node] += dur
-        intervals.append((t, t + dur, node[0]))
-
-        def done(t_end: float) -> None:
-            running[node] = False
-            then(t_end)
-            kick(node, t_end)
-
-        at(t + dur, done)
-
-    def send(src: tuple[int, int], nbytes: float, then: Callable[[float], None], t: float) -> None:
-        start = max(t, free_at[("up", src)])
-        end = start + nbytes * 8 / link_bps
-        free_at[("up", src)] = end
-        at(end + latency_s, then)
-
-    def run_step(step: int, t_start: float) -> float:
-        traces = res.traces[step]
-        per_origin: dict[int, list[MicroTrace]] = defaultdict(list)
-        for tr in traces:
-            per_origin[tr.origin].append(tr)
-        finished: dict[int, float] = {}
-        outstanding = defaultdict(int)
-        nxt = defaultdict(int)
-        left = {o: len(v) for o, v in per_origin.items()}
-
-        def issue(o: int, t: float) -> None:
-            while outstanding[o] < in_flight and nxt[o] < len(per_origin[o]):
-                tr = per_origin[o][nxt[o]]
-                nxt[o] += 1
-                outstanding[o] += 1
-                forward(tr, 0, t)
-
-        def forward(tr: MicroTrace, s: int, t: float) -> None:
-            node = (s, tr.route[s])
-            if s == S - 1:
-                compute(node, 0, fwd_s[s] + bwd_s[s], lambda te: backward_send(tr, s, te), t)
-            else:
-                compute(
-                    node, 1, fwd_s[s], lambda te: send(node, tr.fwd_bytes[s], lambda ta: forward(tr, s + 1, ta), te), t
-                )
-
-        def backward_send(tr: MicroTrace, s: int, t: float) -> None:
-            # stage s finished its backward: send the gradient to stage s-1 (or finish at stage 0)
-            if s == 0:
-                outstanding[tr.origin] -= 1
-                left[tr.origin] -= 1
-                if left[tr.origin] == 0:
-                    finished[tr.origin] = t
-                issue(tr.origin, t)
-                return
-            src = (s, tr.route[s])
-            send(
-                src,
-                tr.bwd_bytes[s - 1],
-                lambda ta: compute(
-                    (s - 1, tr.route[s - 1]), 0, bwd_s[s - 1], lambda te: backward_send(tr, s - 1, te), ta
-                ),
-                t,
-            )
-
-        for o in per_origin:
-            issue(o, t_start)
-        while events:
-            t, _, fn = heapq.heappop(events)
-            fn(t)
-        return max(finished.values(), default=t_start)
-
-    t = 0.0
-    sync_at = dict(zip(res.sync_steps, res.sync_bytes))
-    for step in range(len(res.traces)):
-        t = run_step(step, t)
-        if step + 1 in sync_at:  # an outer round: each replica sends its stage's payload to its partner(s)
-            bps = sync_bps or link_bps
-            t += latency_s + max(sync_at[step + 1].values(), default=0.0) * 8 / bps
-    overlap = overlap_by_stage(intervals, S)
-    return Timeline(wall_s=t, busy_s=busy, overlap_share=overlap)
-
-
-def overlap_by_stage(intervals: list[tuple[float, float, int]], stages: int) -> dict[int, float]:
-    """Per stage: the share of the time it computed (any replica) in which another stage computed too."""
-    points = []
-    for a, b, s in intervals:
-        if b > a:
-            points.append((a, 1, s))
-            points.append((b, -1, s))
-    points.sort(key=lambda p: (p[0], p[1]))
-    active = [0] * stages
-    both = {s: 0.0 for s in range(stages)}
-    alone = {s: 0.0 for s in range(stages)}
-    last = None
-    for t, delta, s in points:
-        if last is not None and t > last:
-            busy = [i for i in range(stages) if active[i] > 0]
-            for i in busy:
-                (both if len(busy) >= 2 else alone)[i] += t - last
-        active[s] += delta
-        last = t
-    return {s: both[s] / (both[s] + alone[s]) if both[s] + alone[s] > 0 else 0.0 for s in range(stages)}
-
-
-def summarize(
-    sim: PipelineSim, res: PipelineResult, *, link_bps: float, latency_s: float, tflops: float
-) -> dict[str, Any]:
-    """The --json summary: losses, bytes per token per boundary, and the timeline at the cost model's speeds."""
-    spec = sim.spec
-    tokens_mb = sim.mb_size * spec.data.seq_len
-    params = sim.stage_parameters()
-    flops = [
-        flops_stage_s(params[s], len(sim.geo.ranges[s]), tokens_mb, spec.data.seq_len, sim.geo.d, tflops)
-        for s in range(sim.S)
-    ]
-    in_flight = spec.pipeline.in_flight
-    model_tl = replay(
-        res,
-        fwd_s=[f for f, _ in flops],
-        bwd_s=[b for _, b in flops],
-        link_bps=link_bps,
-        latency_s=latency_s,
-        in_flight=in_flight,
-    )
-    local_tl = replay(
-        res, fwd_s=res.fwd_s, bwd_s=res.bwd_s, link_bps=link_bps, latency_s=latency_s, in_flight=in_flight
-    )
-    tokens = res.tokens_per_step * res.steps
-    bpt = res.bytes_per_token_per_boundary()
-    return {
-        "stages": sim.S,
-        "replicas": sim.R,
-        "steps": res.steps,
-        "subspace": res.subspace,
-        "k": res.k,
-        "d_model": sim.geo.d,
-        "activation_codec": sim.coder.act_stack,
-        "gradient_codec": sim.coder.grad_stack,
-        "outer_algo": spec.outer.algo if sim.algos else "none",
-        "inner_steps": spec.outer.inner_steps,
-        "initial_val_loss": res.val_loss[0],
-        "final_val_loss": res.final_val_loss,
-        "final_train_loss": res.train_loss[-1],
-        "bytes_per_token_per_boundary": bpt["total"],
-        "bytes_per_token_per_boundary_fwd": bpt["forward"],
-        "bytes_per_token_per_boundary_bwd": bpt["backward"],
-        "uncompressed_bf16_bytes_per_token": 2 * sim.geo.d,
-        "tokens_per_s": tokens / model_tl.wall_s if model_tl.wall_s > 0 else float("inf"),
-        "bubble_fraction": model_tl.bubble_fraction(),
-        "tokens_per_s_local_compute": tokens / local_tl.wall_s if local_tl.wall_s > 0 else float("inf"),
-        "bubble_fraction_local_compute": local_tl.bubble_fraction(),
-        "stage_overlap_share": {str(s): v for s, v in model_tl.overlap_share.items()},
-        "stage_overlap_share_local_compute": {str(s): v for s, v in local_tl.overlap_share.items()},
-        "link_bps": link_bps,
-        "latency_s": latency_s,
-        "tflops": tflops,
-        "in_flight": in_flight,
-        "micro_batch_size": sim.mb_size,
-        "micro_batches_per_step": sim.M,
-        "stage_fwd_s_local": res.fwd_s,
-        "stage_bwd_s_local": res.bwd_s,
-        "sync_bytes_per_round": [max(b.values(), default=0) for b in res.sync_bytes][:1],
-        "real_wall_s": res.wall_s,
-        "curve": {"steps": res.eval_steps, "val_loss": res.val_loss},
-    }
+def _eval(module: StageModule, x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    """A forward in eval mode, as the daemon's ``eval_mid`` runs it."""
+    module.eval()
+    out = module(x, h)
+    module.train()
+    return out
 
 
 def run_pipeline_simulation(

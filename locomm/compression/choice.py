@@ -57,7 +57,7 @@ class CodecChoice:
         """A fresh codec (stateful codecs: one per tensor stream); None for raw bytes."""
         if self.stack == RAW:
             return None
-        from locomm.compression import get_codec  # noqa: PLC0415 - the registry imports this module
+        from locomm.compression.registry import get_codec  # noqa: PLC0415
 
         return get_codec(self.stack, **{**self.options, **extra})
 

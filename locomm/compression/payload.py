@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from locomm.compression import available_codecs, get_codec
 from locomm.compression.base import Codec, CodecError, TensorRole, tensor_bytes, tensor_from_bytes
 from locomm.compression.choice import codec_choice
+from locomm.compression.registry import available_codecs, get_codec
 
 PART_ELEMS = 1 << 20
 """Default elements per part (4 MiB of fp32)."""

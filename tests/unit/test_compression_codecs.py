@@ -16,13 +16,14 @@ from locomm.compression import (
     CodecStack,
     TensorRole,
     available_codecs,
-    codec_for_role,
+    codec_choice,
     get_codec,
 )
 from locomm.compression.blockwise8 import Blockwise8Codec
 from locomm.compression.scape import ScapeCodec
 from locomm.compression.subspace import SubspaceCodec
 from locomm.compression.topk2bit import TopK2BitCodec
+from locomm.config import CompressionConfig
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -201,13 +202,13 @@ def test_stack_registry_and_roles() -> None:
         get_codec("bf16+lossless", bogus=1)
     with pytest.raises(ValueError):
         CodecStack([get_codec("lossless"), get_codec("bf16")])
-    assert codec_for_role(TensorRole.PARAMETER).name == "lossless"
-    c = codec_for_role("outer_gradient", {TensorRole.OUTER_GRADIENT: {"name": "topk2bit", "k": 2}})
+    assert codec_choice(TensorRole.PARAMETER, CompressionConfig()).build().name == "lossless"
+    c = codec_choice("outer_gradient", {"outer_gradient": "topk2bit"}).build(k=2)
     assert isinstance(c, TopK2BitCodec) and c.k == 2
-    assert codec_for_role(TensorRole.ACTIVATION, {"activation": "fp16"}).name == "fp16"
+    assert codec_choice(TensorRole.ACTIVATION, {"activation": "fp16"}).build().name == "fp16"
     a, b = (
-        codec_for_role("outer_gradient", {"outer_gradient": "topk2bit"}),
-        codec_for_role("outer_gradient", {"outer_gradient": "topk2bit"}),
+        codec_choice("outer_gradient", {"outer_gradient": "topk2bit"}).build(),
+        codec_choice("outer_gradient", {"outer_gradient": "topk2bit"}).build(),
     )
     assert a is not b  # stateful codecs: one object per tensor stream
 

@@ -43,11 +43,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _harness
-
 from locomm.config import ConfigError, RunSpec
 from locomm.testing import netlab
 from locomm.testing.launcher import Launcher, PeerExited
+
+import _harness
 
 REPO = _harness.REPO
 
@@ -411,14 +411,15 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
 
 def boundary_stack(spec: RunSpec) -> str:
     """The codec stack a boundary really uses (without the subspace, its stage is dropped)."""
-    from locomm.compression.boundary import _stack  # noqa: PLC0415
+    from locomm.compression.choice import codec_choice  # noqa: PLC0415
+    from locomm.model.stages import Geometry  # noqa: PLC0415
 
-    return _stack(spec.compression.activation, spec.pipeline.subspace)
+    return codec_choice("activation", spec.compression, boundary=Geometry.of(spec)).stack
 
 
 def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
     """S x R stage peers, one shaped host each; the pipeline swarm's summary plus the links."""
-    from locomm.cli.pipeline_swarm import run_pipeline_swarm  # noqa: PLC0415
+    from locomm.cli.local_swarm import run_pipeline_swarm  # noqa: PLC0415
 
     spec = spec.replace("pipeline", stages=args.stages, subspace=not args.no_subspace)
     if args.steps:

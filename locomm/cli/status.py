@@ -33,24 +33,23 @@ async def snapshot(initial_peers: list[str]) -> dict[str, Any]:
             now = get_dht_time()
             peers = []
             for b in beats:
-                f = b.fields
                 peers.append(
                     {
                         "peer": b.peer,
                         "round": b.round,
                         "join_round": b.join_round,
-                        "step": f.get("step"),
-                        "loss": f.get("loss"),
-                        "val_loss": f.get("val_loss"),
-                        "tokens_per_s": f.get("tokens_per_s"),
-                        "bytes_sent": f.get("bytes_sent"),
-                        "last_exchange_s_ago": (time.time() - f["last_exchange"]) if f.get("last_exchange") else None,
-                        "heartbeat_age_s": now - float(f.get("time", now)),
-                        "version": f.get("version"),
+                        "step": b.step,
+                        "loss": b.loss,
+                        "val_loss": b.val_loss,
+                        "tokens_per_s": b.tokens_per_s,
+                        "bytes_sent": b.bytes_sent,
+                        "last_exchange_s_ago": (time.time() - b.last_exchange) if b.last_exchange else None,
+                        "heartbeat_age_s": now - (b.time or now),
+                        "version": b.version,
                         # pipeline mode: the stage this peer serves, its micro-batches/s, re-routes, losses
                         **(
-                            {k: f.get(k) for k in ("stage", "mb_per_s", "rerouted", "lost")}
-                            if isinstance(f.get("stage"), int)
+                            {"stage": b.stage, "mb_per_s": b.mb_per_s, "rerouted": b.rerouted, "lost": b.lost}
+                            if b.stage is not None
                             else {}
                         ),
                     }

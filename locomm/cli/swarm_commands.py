@@ -215,7 +215,7 @@ def swarm(
             spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)
         except ConfigError as e:
             fail(str(e))
-        from locomm.cli.pipeline_swarm import run_pipeline_swarm  # noqa: PLC0415
+        from locomm.cli.local_swarm import run_pipeline_swarm  # noqa: PLC0415
 
         summary = run_pipeline_swarm(
             spec,

@@ -135,7 +135,7 @@ async def probe(boot: str, spec: RunSpec) -> dict[str, list[int]]:
 
 
 def test_pipeline_swarm_trains_routes_around_a_dead_replica_and_answers_bad_frames(tmp_path: Path):
-    from locomm.cli.pipeline_swarm import run_pipeline_swarm
+    from locomm.cli.local_swarm import run_pipeline_swarm
 
     spec = pipe_spec()
     boot_file = tmp_path / "boot"

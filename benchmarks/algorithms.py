@@ -25,13 +25,14 @@ import math
 import resource
 import time
 
-import _harness
 import torch
 
 from locomm.config import RunSpec
 from locomm.data import load_corpus
 from locomm.sim import Simulator, network_for, time_to_target
 from locomm.sim.network import flops_step_s
+
+import _harness
 
 ALGOS = ["ddp", "diloco", "noloco", "gasloc", "sparseloco"]
 NETWORKS = {

@@ -21,11 +21,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import _harness
 import numpy as np
 import torch
 
 from locomm.compression.lossless import LosslessCodec
+
+import _harness
 
 
 def _time(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None) -> tuple[float, float, Any]:

@@ -65,9 +65,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _harness
-
 from locomm.testing.launcher import Launcher
+
+import _harness
 
 N_TENSORS = 25
 TENSOR_NUMEL = 1 << 20  # 4 MiB each in fp32: 100 MiB in all

@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import _harness
 import torch
+
+import _harness
 
 GPU = torch.cuda.is_available()
 if not GPU:

@@ -24,10 +24,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import _harness
-
 from locomm.config import RunSpec
 from locomm.testing.launcher import Launcher
+
+import _harness
 
 
 def main() -> None:

@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _harness
 import torch
 
 from locomm.config import RunSpec
+
+import _harness
 
 CODEC = "subspace+bf16+lossless"
 

@@ -34,8 +34,9 @@ import resource
 import time
 from typing import Any
 
-import _harness
 import tune  # benchmarks/tune.py: the budget and the sweep's results
+
+import _harness
 
 OUT = _harness.results_path("scale")
 SCALED_PARAMS = 125e6

@@ -25,11 +25,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import _harness
-
 from locomm.config import RunSpec
 from locomm.sim.network import NetworkModel, RoundRecord
 from locomm.sim.timeline import Deadlines, Schedule
+
+import _harness
 
 LATENCY_S = 0.0005
 """One-way latency on the lab's bridge (veth pairs, no delay configured)."""

@@ -17,11 +17,11 @@ from __future__ import annotations
 import itertools
 import json
 
-import _harness
-
 from locomm.config import RunSpec
 from locomm.data import load_corpus
 from locomm.sim import Simulator
+
+import _harness
 
 
 def main() -> None:

@@ -169,9 +169,10 @@ class Host:
                 try:
                     await tg.__aexit__(exc_type, exc, tb)
                 except BaseExceptionGroup as eg:  # a task's own error: raise it, not the group
+                    # (the group cancelled the driver's body for it, so ``exc`` is then that CancelledError)
                     first = next((e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError)), None)
-                    if first is not None and exc is None:
-                        raise first from None
+                    if first is not None:
+                        raise first from (None if exc is None or isinstance(exc, asyncio.CancelledError) else exc)
         finally:
             await self._shutdown()
 

@@ -1,0 +1,57 @@
+"""The host: everything exists once it is entered, every task it started is over once it is left."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from locomm.config import RunSpec
+from locomm.peer.host import Host, NodeOptions
+from locomm.protocol.membership import Heartbeat
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _spec() -> RunSpec:
+    return RunSpec.preset("nano").replace("network", heartbeat_interval_s=0.2)
+
+
+async def test_a_host_is_whole_inside_and_awaits_its_tasks_on_exit():
+    forever = started = None
+    async with Host(_spec(), NodeOptions()) as host:
+        assert host.me and host.maddrs and host.run_id == host.spec.hash()[:16]
+        assert host.rpc is not None and host.metrics is not None and host.faults.total == 0
+        host.heartbeat = lambda: Heartbeat(peer=host.me, round=3, version="t")
+        host.start_heartbeats()
+        forever = host.spawn(asyncio.sleep(3600))
+        started = host.spawn(host.sleep(3600))
+        for _ in range(50):  # the loop publishes our heartbeat and reads it back
+            await asyncio.sleep(0.1)
+            if host.me in host.beats:
+                break
+        assert host.beats[host.me].round == 3
+        assert await host.authorize(host.me, "member")
+        assert not await host.authorize("12D3KooWnobody", "announced")
+    assert forever.done() and forever.cancelled() and started.done()
+    assert host.pool._shutdown  # the compute thread is gone too
+
+
+async def test_a_background_error_is_logged_and_a_task_error_stops_the_host(caplog):
+    async def boom() -> None:
+        raise RuntimeError("boom")
+
+    async with Host(_spec(), NodeOptions()) as host:
+        task = host.spawn(boom(), background=True)
+        await asyncio.sleep(0.05)
+        assert task.done() and task.exception() is None
+    assert "boom" in caplog.text
+
+    with pytest.raises(RuntimeError, match="driver bug"):
+        async with Host(_spec(), NodeOptions()) as host:
+
+            async def bug() -> None:
+                raise RuntimeError("driver bug")
+
+            host.spawn(bug())
+            await host.sleep(30)  # cancelled when the task fails

@@ -13,7 +13,8 @@ answered. No global barrier.
 - **Parallel.** A payload above ``parallel_threshold_mb`` travels over up to
   ``streams_per_transfer`` streams to one partner (p2pd's per-stream ceiling).
 - **Deadlines by bytes** (``rpc.Limits``): a stalled or trickling stream is cut
-  off and answered ``TIMEOUT``; that is slowness, never a fault.
+  off and answered ``TIMEOUT``; that is slowness, never a fault. Every "now" here
+  (ETAs, stalls, links, rates) is ``clock()``, the RPC server's unless given.
 - **Waiting by ETA.** A worker waits for a partner's payload until the ETA the
   partner's heartbeat implies (its round time and upload rate), longer while a
   transfer from it is still moving, and at most ``max_wait_s`` beyond.
@@ -41,8 +42,8 @@ from typing import Any
 from hivemind.p2p import P2P
 
 from locomm.compression.payload import Part, PayloadCodec, PayloadError
-from locomm.peer.rpc import Call, Limits, Link, RpcServer, Service, TransferCut, Unreachable, open_link
-from locomm.peer.transfers import Faults, GossipStats, Incoming, Outgoing
+from locomm.peer.rpc import Call, Clock, Limits, Link, RpcServer, Service, TransferCut, Unreachable, open_link
+from locomm.peer.transfers import Faults, GossipStats, Incoming, Outgoing, balance_lanes
 from locomm.protocol.messages import (
     FAULT_CODES,
     ErrorCode,
@@ -99,8 +100,10 @@ class Gossip:
         streams: int = 4,
         parallel_threshold: int = 16 << 20,
         max_wait_s: float = 600.0,
+        clock: Clock | None = None,
     ) -> None:
         self.p2p, self.server, self.run_id, self.me, self.codec = p2p, server, run_id, me, codec
+        self.clock = clock or server.clock
         self.limits = limits
         self.faults = faults
         self.max_body_bytes = max_body_bytes
@@ -142,11 +145,11 @@ class Gossip:
         key = (remote, round_idx)
         inc = self.incoming.get(key)
         if inc is not None and inc.xfer != t.xfer:
-            if time.monotonic() - inc.last_progress < self.limits.stall_timeout_s:
+            if self.clock() - inc.last_progress < self.limits.stall_timeout_s:
                 raise ProtocolViolation(ErrorCode.NOT_READY, "another transfer of this payload is under way")
             inc = None  # an abandoned transfer: start over
         if inc is None:
-            inc = Incoming(t.xfer, self.codec.allocate(t.enc), set(self.codec.parts(t.enc)))
+            inc = Incoming(t.xfer, self.codec.allocate(t.enc), set(self.codec.parts(t.enc)), self.clock())
             self.incoming[key] = inc
         if inc.claimed & set(t.parts):
             # Only the same transfer can overlap here (another xfer was refused or replaced above): a retry of
@@ -165,7 +168,7 @@ class Gossip:
             for part in t.parts:
                 data = await link.read_part(self.codec.max_part_bytes(part))
                 self.stats.bytes_received += len(data)
-                inc.last_progress = time.monotonic()
+                inc.last_progress = self.clock()
                 pending.append(
                     (part, asyncio.ensure_future(self.server.decode(self.codec.decode_part, inc.dest, part, data)))
                 )
@@ -265,18 +268,12 @@ class Gossip:
     async def _push_once(self, peer: str, out: Outgoing, which: list[int]) -> tuple[ErrorCode | str, set[int]]:
         """One attempt at sending parts ``which`` of ``out``; the outcome and the parts answered OK."""
         n = max(1, min(self._stream_count(out), len(which)))
-        lanes: list[list[int]] = [[] for _ in range(n)]
-        load = [0] * n
-        for i in which:  # balance the streams by size, deterministically
-            p = out.parts[i]
-            j = load.index(min(load))
-            lanes[j].append(i)
-            load[j] += self.codec.max_part_bytes(p)
-        t0 = time.monotonic()
+        lanes = balance_lanes([(i, self.codec.max_part_bytes(out.parts[i])) for i in which], n)
+        t0 = self.clock()
         by_lane: dict[int, list[int]] = {}  # bytes each stream put on the wire
 
         async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool, bool]:
-            link = await open_link(self.p2p, peer, self.handler, self.limits, "send", n)
+            link = await open_link(self.p2p, peer, self.handler, self.limits, "send", n, clock=self.clock)
             self.server.meters.append(link.meter)
             sent_here = by_lane[k] = [0]
             try:
@@ -338,7 +335,7 @@ class Gossip:
             by_lane.get(k, [0])[0] for k, idx in enumerate(lanes) if k in redundant or not set(idx) <= delivered
         )
         if outcome == ErrorCode.OK:
-            dt = max(1e-3, time.monotonic() - t0)
+            dt = max(1e-3, self.clock() - t0)
             rate = sent / dt
             self.stats.up_Bps = ema(self.stats.up_Bps, rate)
         return outcome, delivered
@@ -346,7 +343,7 @@ class Gossip:
     async def pull(self, peer: str, round_idx: int) -> bool:
         """Fetch a partner's payload of ``round_idx`` over a stream we open; True when it arrived."""
         try:
-            link = await open_link(self.p2p, peer, self.handler, self.limits, "recv")
+            link = await open_link(self.p2p, peer, self.handler, self.limits, "recv", clock=self.clock)
         except Unreachable:
             return False
         self.server.meters.append(link.meter)
@@ -377,7 +374,7 @@ class Gossip:
     ) -> dict[str, Any]:
         """Push to every partner, then wait for theirs; returns {peer: payload} of who answered.
 
-        ``eta(peer)`` is the monotonic time by which the partner's payload should have arrived.
+        ``eta(peer)`` is the time (in ``self.clock``'s terms) by which the partner's payload should have arrived.
         """
         peers = [p for p in peers if p not in self.banned and p != self.me]
         if not peers:
@@ -385,7 +382,7 @@ class Gossip:
         out = self.outgoing[round_idx] = Outgoing(round_idx, payload, self.codec, self.server, peers)
         pushes = {p: asyncio.create_task(self.push(p, out)) for p in peers}
         waiting = set(peers)
-        start = time.monotonic()
+        start = self.clock()
         deadline = {
             p: min(start + self.max_wait_s, eta(p) if eta else start + self.limits.request_timeout_s) for p in peers
         }
@@ -400,7 +397,7 @@ class Gossip:
                 missing = {p for p in waiting if p not in have}
                 if not missing:
                     break
-                now = time.monotonic()
+                now = self.clock()
                 moving = {
                     p
                     for p in missing

@@ -275,10 +275,15 @@ class Host:
     def default_shard(self) -> tuple[int, int]:
         return self.opts.shard or (int(self.me.encode().hex()[-8:], 16) % 64, 64)
 
-    def announce(self) -> None:
-        """Write our addresses where `locomm-peer swarm` (or a test) waits for them."""
+    def up(self, **fields: Any) -> None:
+        """The driver is ready: heartbeats start, our addresses go where `locomm-peer swarm` (or a test) waits
+        for them, and the ``started`` event is written with the driver's ``fields``."""
+        self.start_heartbeats()
+        maddrs = [str(m) for m in self.maddrs]
         if self.opts.announce_file:
-            self.opts.announce_file.write_text("\n".join(str(m) for m in self.maddrs) + "\n")
+            self.opts.announce_file.write_text("\n".join(maddrs) + "\n")
+        self.events.write("started", peer=self.me, maddrs=maddrs, run=self.run_id, algo=self.spec.outer.algo, **fields)
+        log.info("peer %s up; others join with --initial-peers %s", self.me, maddrs[0] if maddrs else "?")
 
     # -- heartbeats --------------------------------------------------------------------
 

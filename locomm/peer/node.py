@@ -200,22 +200,14 @@ class Node:
             await self._enter_swarm(resumed)
         await host.compute(self._snapshot, self.round)
         await host.publish()
-        host.start_heartbeats()
         host.start_reporter(self.status)
-        host.announce()
-        host.events.write(
-            "started",
-            peer=host.me,
-            maddrs=[str(m) for m in host.maddrs],
+        host.up(
             round=self.round,
-            run=host.run_id,
             resumed=resumed,
             first_heartbeat_s=first_heartbeat_s,
             first_heartbeat_at=first_heartbeat_at,
             metrics_port=host.metrics.port,
-            algo=self.spec.outer.algo,
         )
-        log.info("peer %s up; others join with --initial-peers %s", host.me, host.maddrs[0] if host.maddrs else "?")
         if (n := self.opts.wait_for_peers) > 1:
 
             def admitted(beats: list[Heartbeat]) -> bool:

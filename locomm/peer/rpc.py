@@ -25,6 +25,10 @@ when, over any ``rate_window_s`` of waiting on the wire, it moved less than the
 floor: a sender trickling 1 byte/s into a 1 GB declaration is cut off after one
 window, not after 800 s. With S parallel streams each stream is held to 1/S of
 the floor. Open streams per remote peer are capped (``max_streams_per_peer``).
+
+``clock`` (of a ``Link``, the ``RpcServer``, ``open_link``) is the one source of "now" for the deadlines and
+meters; the daemon's is ``time.monotonic``. The waits are asyncio timeouts on the loop's clock, so tests on a
+virtual-time loop (``locomm.testing.clock``) pass ``clock=loop.time`` and never sleep on the real clock.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from locomm.protocol.timing import Limits
 log = logging.getLogger(__name__)
 IO_CHUNK = 1 << 18
 """Bytes per read/write call: small enough for progress and stall checks, large enough to be cheap."""
+Clock = Callable[[], float]
+"""A source of "now" in seconds (``time.monotonic``; a virtual-time loop's ``time`` in tests)."""
 
 
 class TransferCut(Exception):
@@ -74,7 +80,7 @@ class Meter:
     direction: str  # "send" | "recv"
     total: int = 0
     done: int = 0
-    t0: float = field(default_factory=time.monotonic)
+    t0: float = field(default_factory=time.monotonic)  # a Link resets both from its clock
     last: float = field(default_factory=time.monotonic)
 
     @property
@@ -99,9 +105,18 @@ class Link:
     """One stream's reads and writes under the limits (stall, floor rate over a window, size deadline)."""
 
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limits: Limits, meter: Meter, streams: int = 1
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        limits: Limits,
+        meter: Meter,
+        streams: int = 1,
+        *,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.reader, self.writer, self.limits, self.meter = reader, writer, limits, meter
+        self.clock = clock
+        meter.t0 = meter.last = clock()
         self.streams = max(1, streams)
         self.deadline: float | None = None
         self.waited = 0.0
@@ -113,10 +128,10 @@ class Link:
         if streams is not None:
             self.streams = max(1, streams)
         self.meter.total += nbytes
-        self.deadline = time.monotonic() + self.limits.deadline_s(nbytes, self.streams)
+        self.deadline = self.clock() + self.limits.deadline_s(nbytes, self.streams)
 
     def _progress(self, n: int, waited: float) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self.waited += waited
         self._moved += n
         self.meter.done += n
@@ -140,8 +155,13 @@ class Link:
     def _timeout(self) -> float:
         t = self.limits.stall_timeout_s
         if self.deadline is not None:
-            t = min(t, max(0.0, self.deadline - time.monotonic()))
+            t = min(t, max(0.0, self.deadline - self.clock()))
         return t
+
+    def _cut(self, stalled: str) -> TransferCut:
+        """A wait with nothing moving timed out: at the size deadline, or else a stall (``stalled`` says what)."""
+        past = self.deadline is not None and self.clock() >= self.deadline
+        return TransferCut(f"past the deadline for {self.meter.total} bytes at the floor rate" if past else stalled)
 
     # -- reads -------------------------------------------------------------------------
 
@@ -168,23 +188,28 @@ class Link:
         view = memoryview(buf)
         got = 0
         while got < n:
-            t0 = time.monotonic()
+            t0, wait_s = self.clock(), self._timeout()
             try:
-                chunk = await asyncio.wait_for(self.reader.read(min(IO_CHUNK, n - got)), self._timeout())
+                chunk = await asyncio.wait_for(self.reader.read(min(IO_CHUNK, n - got)), wait_s)
             except TimeoutError:
-                raise TransferCut(f"no bytes for {self._timeout():.0f} s ({got} of {n} read)") from None
+                raise self._cut(f"no bytes for {wait_s:.0f} s ({got} of {n} read)") from None
             if not chunk:
                 raise ConnectionError(f"stream ended after {got} of {n} bytes")
             view[got : got + len(chunk)] = chunk
             got += len(chunk)
-            self._progress(len(chunk), time.monotonic() - t0)
+            self._progress(len(chunk), self.clock() - t0)
         return buf
 
     async def discard(self, max_bytes: int = 8 << 20, max_s: float = 1.0) -> None:
         """Take in (and drop) a little of what the sender is still writing: closing with unread bytes resets
         the stream, and the reset can overtake an answer we already wrote."""
+        end, left = self.clock() + max_s, max_bytes
         with contextlib.suppress(Exception):
-            await _drain(self.reader, max_bytes, max_s)
+            while left > 0 and self.clock() < end:
+                chunk = await asyncio.wait_for(self.reader.read(min(IO_CHUNK, left)), max(0.01, end - self.clock()))
+                if not chunk:
+                    return
+                left -= len(chunk)
 
     async def read_part(self, max_bytes: int) -> bytearray:
         """One ``u32 length | bytes`` part whose length must not exceed ``max_bytes``."""
@@ -207,13 +232,13 @@ class Link:
         view = memoryview(data).cast("B")
         for off in range(0, len(view), IO_CHUNK):
             piece = view[off : off + IO_CHUNK]
-            t0 = time.monotonic()
+            t0, wait_s = self.clock(), self._timeout()
             self.writer.write(piece)
             try:
-                await asyncio.wait_for(self.writer.drain(), self._timeout())
+                await asyncio.wait_for(self.writer.drain(), wait_s)
             except TimeoutError:
-                raise TransferCut(f"the receiver took nothing for {self._timeout():.0f} s") from None
-            self._progress(len(piece), time.monotonic() - t0)
+                raise self._cut(f"the receiver took nothing for {wait_s:.0f} s") from None
+            self._progress(len(piece), self.clock() - t0)
 
     async def write_part(self, data: bytes | bytearray | memoryview) -> None:
         if len(data) < IO_CHUNK:  # a small part goes out with its length in one write
@@ -281,8 +306,10 @@ class RpcServer:
         authorize: Authorize | None = None,
         is_banned: Callable[[str], bool] = lambda _: False,
         on_fault: Callable[[str, str], None] = lambda *_: None,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.p2p, self.run_id, self.limits, self.pool = p2p, run_id, limits, pool
+        self.clock = clock  # of every link it serves, and of the Gossip on it unless told otherwise
         self.authorize = authorize
         self.is_banned = is_banned
         self.on_fault = on_fault
@@ -307,7 +334,7 @@ class RpcServer:
         self, service: Service, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         meter = Meter(remote, "recv")
-        link = Link(reader, writer, self.limits, meter)
+        link = Link(reader, writer, self.limits, meter, clock=self.clock)
         call: Call | None = None
         self.open_streams[remote] += 1
         self.meters.append(meter)
@@ -370,16 +397,6 @@ DRAIN_BYTES = 8 << 20
 DRAIN_S = 1.0
 
 
-async def _drain(reader: asyncio.StreamReader, max_bytes: int, max_s: float) -> None:
-    end = time.monotonic() + max_s
-    left = max_bytes
-    while left > 0 and time.monotonic() < end:
-        chunk = await asyncio.wait_for(reader.read(min(IO_CHUNK, left)), max(0.01, end - time.monotonic()))
-        if not chunk:
-            return
-        left -= len(chunk)
-
-
 # ------------------------------------------------------------------------------ client
 
 
@@ -388,7 +405,14 @@ class Unreachable(Exception):
 
 
 async def open_link(
-    p2p: P2P, peer: str, handler: str, limits: Limits, direction: str = "send", streams: int = 1
+    p2p: P2P,
+    peer: str,
+    handler: str,
+    limits: Limits,
+    direction: str = "send",
+    streams: int = 1,
+    *,
+    clock: Clock = time.monotonic,
 ) -> Link:
     try:
         async with asyncio.timeout(limits.request_timeout_s):
@@ -397,7 +421,7 @@ async def open_link(
         raise
     except (Exception, TimeoutError) as e:  # noqa: BLE001 - p2pd reports dial failures in several ways
         raise Unreachable(f"{type(e).__name__}: {e}") from None
-    return Link(reader, writer, limits, Meter(peer, direction), streams)
+    return Link(reader, writer, limits, Meter(peer, direction), streams, clock=clock)
 
 
 async def request(
@@ -407,9 +431,11 @@ async def request(
     header: Mapping[str, Any],
     limits: Limits,
     body: Callable[[Link, dict[str, Any]], Awaitable[Any]] | None = None,
+    *,
+    clock: Clock = time.monotonic,
 ) -> tuple[dict[str, Any], Any]:
     """One request: send ``header``, read the answer; ``body(link, answer)`` reads what follows an OK."""
-    link = await open_link(p2p, peer, handler, limits, "recv")
+    link = await open_link(p2p, peer, handler, limits, "recv", clock=clock)
     try:
         await link.write_header(header)
         code, resp = await link.read_answer()

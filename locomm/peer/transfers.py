@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -88,10 +87,22 @@ class Incoming:
     xfer: int
     dest: dict[str, Any]
     expected: set[Part]
+    last_progress: float
+    """When a byte of it last arrived, in the Gossip's clock."""
     claimed: set[Part] = field(default_factory=set)
     done: set[Part] = field(default_factory=set)
-    last_progress: float = field(default_factory=time.monotonic)
 
     @property
     def complete(self) -> bool:
         return self.done == self.expected
+
+
+def balance_lanes(sizes: list[tuple[int, int]], n: int) -> list[list[int]]:
+    """Deal ``(index, bytes)`` items onto ``n`` streams, each to the least loaded so far (deterministic)."""
+    lanes: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i, size in sizes:
+        j = load.index(min(load))
+        lanes[j].append(i)
+        load[j] += size
+    return lanes

@@ -3,6 +3,10 @@
 Every request here goes through ``RpcServer._serve`` with an ``asyncio.StreamReader`` the test
 feeds itself and a writer that collects the answer; ``Link``'s deadlines are driven by bytes the
 test feeds from a task. No p2pd, no sockets.
+
+Every test runs on a virtual-time loop (``locomm.testing.clock``) and hands the loop's clock to the
+server, the links and Gossip: a stall of 0.3 s takes no real time, and the deadline tests assert the
+exact virtual instant a transfer is cut, whatever else the machine is doing.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +38,7 @@ from locomm.protocol.messages import (
     pack_frame,
     push_header,
 )
+from locomm.testing.clock import run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,6 +146,7 @@ class Harness:
             authorize=authorize,
             is_banned=lambda p: p in self.faults.banned,
             on_fault=on_fault,
+            clock=asyncio.get_running_loop().time,  # the Gossip below takes the server's
         )
         self.codec = codec or make_codec()
         self.gossip = Gossip(
@@ -189,8 +194,8 @@ class Harness:
         return answers(writer.buf)
 
 
-def run(coro):
-    return asyncio.run(coro)
+def now() -> float:
+    return asyncio.get_running_loop().time()
 
 
 def status(ans: list[dict]) -> ErrorCode:
@@ -377,11 +382,12 @@ def test_bad_transfer_layouts_are_faults(pool, fields, want):
 def test_stall_is_a_timeout_not_a_fault(pool):
     async def body():
         h = Harness(pool, Limits(request_timeout_s=10.0, stall_timeout_s=0.3, min_rate_Bps=1e6))
-        t0 = time.monotonic()
+        t0 = now()
         ans = await h.request(push_frame(h.codec), eof=False, eof_after_answer=True)  # the header, then nothing
-        dt = time.monotonic() - t0
+        dt = now() - t0
         assert status(ans) == ErrorCode.TIMEOUT
-        assert dt >= 0.25  # cut after the stall timeout, not before
+        assert dt == pytest.approx(0.3, abs=1e-9)  # cut exactly one stall timeout after the header
+        assert "no bytes" in ans[0]["msg"]
         assert h.fault_log == [] and h.faults.total == 0
         assert h.server.stats.cut == 1 and h.server.stats.errors_answered["TIMEOUT"] == 1
         assert not h.gossip.incoming
@@ -399,8 +405,12 @@ def test_stall_mid_body_then_a_fresh_transfer_completes(pool):
         three = b"".join(PART_LEN.pack(len(d)) + d for d in (h.codec.encode_part(payload, p) for p in parts[:3]))
         ans = await h.request(push_frame(h.codec) + three, eof=False, eof_after_answer=True)
         assert status(ans) == ErrorCode.TIMEOUT and h.fault_log == []
+        # Three parts arrived at once and were decoded in the pool (no virtual time passes while threads work):
+        # the cut is one stall timeout after them, and the fresh transfer starts right then.
+        assert now() == pytest.approx(0.3, abs=1e-9)
         ans = await h.request(push_frame(h.codec, xfer=1234) + body_bytes(h.codec, payload))
         assert status(ans) == ErrorCode.OK and h.fault_log == []
+        assert now() == pytest.approx(0.3, abs=1e-9)
         for k, v in payload.items():
             assert torch.equal(bits(h.gossip.mailbox[0][SENDER][k]), bits(v))
 
@@ -561,15 +571,16 @@ def test_a_stalled_partial_transfer_does_not_block_the_pull(pool):
             return "cut"
 
         async def pull(peer, round_idx):
-            pulled.append(peer)
+            pulled.append((peer, now()))
             return False
 
         g.push, g.pull = push, pull
+        assert g.clock is h.server.clock
         await asyncio.sleep(0.35)  # the partial transfer is no longer moving
-        await asyncio.wait_for(
-            g.exchange(0, [SENDER], make_payload(h.codec, 2), eta=lambda p: time.monotonic() - 1), 30
-        )
-        assert pulled == [SENDER]
+        start = now()
+        await asyncio.wait_for(g.exchange(0, [SENDER], make_payload(h.codec, 2), eta=lambda p: now() - 1), 30)
+        assert pulled == [(SENDER, start)]  # pulled at once, not after the partial transfer's stall
+        assert now() - start <= 0.5 + 1e-9 < g.max_wait_s  # one wait for news, then the round went on
 
     run(body())
 
@@ -578,35 +589,38 @@ def test_a_stalled_partial_transfer_does_not_block_the_pull(pool):
 
 
 async def _feed(reader: asyncio.StreamReader, chunk: bytes, every_s: float, count: int) -> float:
-    """Feed ``count`` chunks, one every ``every_s``; the time of the last one."""
-    last = time.monotonic()
+    """A writer that sleeps in virtual time: ``count`` chunks, one every ``every_s``; the time of the last."""
+    last = now()
     for _ in range(count):
         reader.feed_data(chunk)
-        last = time.monotonic()
+        last = now()
         await asyncio.sleep(every_s)
     return last
 
 
-def _link(limits: Limits) -> tuple[asyncio.StreamReader, Link]:
+def _link(limits: Limits, writer: FakeWriter | None = None) -> tuple[asyncio.StreamReader, Link]:
     reader = asyncio.StreamReader()
-    return reader, Link(reader, FakeWriter(), limits, Meter("peer", "recv"))
+    return reader, Link(reader, writer or FakeWriter(), limits, Meter("peer", "recv"), clock=now)
 
 
 def test_slow_but_moving_transfer_is_not_cut():
-    """15 chunks 0.1 s apart: 1.5 s in all, longer than the stall timeout, yet never 1 s without a byte."""
+    """15 chunks 0.1 s apart: 1.4 s from first to last, longer than the stall timeout, yet never 1 s without a
+    byte."""
     limits = Limits(request_timeout_s=1.0, stall_timeout_s=1.0, min_rate_Bps=1.0, rate_window_s=60.0)
 
     async def body():
         reader, link = _link(limits)
         link.expect(1500)
         feeder = asyncio.create_task(_feed(reader, b"x" * 100, 0.1, 15))
-        t0 = time.monotonic()
+        t0 = now()
         data = await link.read_exact(1500)
-        dt = time.monotonic() - t0
+        dt = now() - t0
         await feeder
         assert bytes(data) == b"x" * 1500
-        assert dt > 1.2 > limits.stall_timeout_s  # it really outlasted the stall timeout
+        assert dt == pytest.approx(1.4, abs=1e-9)  # done with the last chunk, having outlasted the stall timeout
+        assert dt > limits.stall_timeout_s
         assert link.meter.done == 1500 and link.meter.total == 1500
+        assert link.meter.rate_Bps == pytest.approx(1500 / 1.4)  # the meter runs on the link's clock
 
     run(body())
 
@@ -620,28 +634,31 @@ def test_stalled_transfer_is_cut_after_the_stall_timeout():
         feeder = asyncio.create_task(_feed(reader, b"x" * 100, 0.05, 4))  # then silence (no EOF)
         with pytest.raises(TransferCut, match="no bytes"):
             await asyncio.wait_for(link.read_exact(10_000), 10)
-        cut = time.monotonic()
+        cut = now()
         last = await feeder
-        assert 0.4 <= cut - last <= 5.0  # about stall_timeout_s after the last byte
+        assert last == pytest.approx(0.15, abs=1e-9)
+        assert cut - last == pytest.approx(limits.stall_timeout_s, abs=1e-9)  # exactly the stall timeout after it
         assert link.meter.done == 400
 
     run(body())
 
 
 def test_trickle_below_the_floor_is_cut_after_one_window():
-    """10 bytes every 0.05 s always moves (no stall), but is far below 100 kB/s over a 0.5 s window."""
+    """10 bytes every 1/16 s always moves (no stall), but is far below 100 kB/s over a 0.5 s window.
+
+    (Steps of 1/16 s add up exactly in binary, so the window closes exactly on the 9th chunk.)"""
     limits = Limits(request_timeout_s=10.0, stall_timeout_s=5.0, min_rate_Bps=100e3, rate_window_s=0.5)
 
     async def body():
         reader, link = _link(limits)
-        feeder = asyncio.create_task(_feed(reader, b"x" * 10, 0.05, 400))
-        t0 = time.monotonic()
+        feeder = asyncio.create_task(_feed(reader, b"x" * 10, 1 / 16, 400))  # 25 s of trickle
+        t0 = now()
         with pytest.raises(TransferCut, match="below the floor"):
             await asyncio.wait_for(link.read_exact(1_000_000), 10)
-        dt = time.monotonic() - t0
+        dt = now() - t0
         feeder.cancel()
-        assert 0.45 <= dt < 5.0  # one window of waiting, long before the stall timeout or 20 s of trickle
-        assert link.meter.done < 1000
+        assert dt == limits.rate_window_s  # one window of waiting, long before the stall timeout
+        assert link.meter.done == 90  # the chunks at 0, 1/16, ..., 8/16 s
 
     run(body())
 
@@ -655,18 +672,20 @@ def test_transfer_above_the_floor_is_not_cut():
         reader, link = _link(limits)
         link.expect(24 * len(chunk))
         feeder = asyncio.create_task(_feed(reader, chunk, 0.05, 24))
-        t0 = time.monotonic()
+        t0 = now()
         data = await link.read_exact(24 * len(chunk))
-        dt = time.monotonic() - t0
+        dt = now() - t0
         await feeder
         assert data == chunk * 24
-        assert dt > 1.0 > limits.rate_window_s  # the window was checked more than once
+        assert dt == pytest.approx(23 * 0.05, abs=1e-9)  # done with the last chunk
+        assert dt > 2 * limits.rate_window_s  # the window was checked more than once
 
     run(body())
 
 
 def test_size_deadline_cuts_a_transfer_slower_than_the_floor():
-    """expect(1000) at 1 kB/s + 0.2 s slack: 1.2 s. At 500 B/s (never stalling) it is cut at the deadline."""
+    """expect(1000) at 1 kB/s + 0.2 s slack: 1.2 s. At 400 B/s (50 B every 1/8 s, never stalling) it is cut at
+    the deadline, between two chunks."""
     limits = Limits(request_timeout_s=0.2, stall_timeout_s=5.0, min_rate_Bps=1000.0, rate_window_s=60.0)
     assert limits.deadline_s(1000) == pytest.approx(1.2)
     assert limits.deadline_s(1000, streams=4) == pytest.approx(4.2)
@@ -674,13 +693,37 @@ def test_size_deadline_cuts_a_transfer_slower_than_the_floor():
     async def body():
         reader, link = _link(limits)
         link.expect(1000)
-        feeder = asyncio.create_task(_feed(reader, b"x" * 50, 0.1, 20))
-        t0 = time.monotonic()
-        with pytest.raises(TransferCut):
+        feeder = asyncio.create_task(_feed(reader, b"x" * 50, 1 / 8, 20))
+        t0 = now()
+        with pytest.raises(TransferCut, match="past the deadline"):
             await asyncio.wait_for(link.read_exact(1000), 10)
-        dt = time.monotonic() - t0
+        dt = now() - t0
         feeder.cancel()
-        assert dt >= 1.1 and link.meter.done < 1000
+        assert dt == pytest.approx(1.2, abs=1e-9)  # at the deadline, not at the next chunk (1.25 s)
+        assert link.meter.done == 500  # the chunks at 0, 1/8, ..., 9/8 s
+
+    run(body())
+
+
+def test_a_receiver_that_takes_nothing_cuts_the_writer():
+    """The write side: a drain that never returns is cut after the stall timeout, then at the size deadline."""
+    limits = Limits(request_timeout_s=0.5, stall_timeout_s=2.0, min_rate_Bps=1000.0, rate_window_s=60.0)
+
+    class Stuck(FakeWriter):
+        async def drain(self) -> None:
+            await asyncio.Event().wait()
+
+    async def body():
+        _, link = _link(limits, Stuck())
+        t0 = now()
+        with pytest.raises(TransferCut, match="the receiver took nothing for 2 s"):
+            await link.write_bytes(b"x" * 10)  # no size declared: the stall timeout bounds it
+        assert now() - t0 == pytest.approx(2.0, abs=1e-9)
+        link.expect(100)  # 0.5 s + 100 B at 1 kB/s: 0.6 s, sooner than a stall
+        t0 = now()
+        with pytest.raises(TransferCut, match="past the deadline for 100 bytes"):
+            await link.write_bytes(b"x" * 10)
+        assert now() - t0 == pytest.approx(0.6, abs=1e-9)
 
     run(body())
 

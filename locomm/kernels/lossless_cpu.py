@@ -9,38 +9,35 @@ Notable:
   for ``t < count[k]``: the caller's plan says which (contiguous quarters,
   stride 1, in wire version 1; interleaved lanes, stride L, in version 2).
   Codes come "full" (an escape code then the symbol's 8 bits, <= 20 bits).
-- The decoder works in two passes: the lanes' symbols into a per-thread
-  byte buffer in element order, then one vectorized merge with the raw
-  plane. Its table (:func:`multi_table`, derived from the one-symbol table
-  and cached) gives up to 3 symbols per 12-bit lookup; every step takes two
-  lookups from one unaligned 8-byte load at the lane's bit position (no
-  refill branch), and four lanes advance in lock-step through an inlined
-  step function, their states in scalar locals (registers): four
-  independent dependency chains. Indices are unsigned so numba adds no
-  negative-index wraparound (LLVM then fuses the 8 byte loads into one
-  ``movbe``), and the kernels run with ``_nrt=False``: they allocate
-  nothing, and the reference counting numba would add around every inlined
-  call is what made an earlier lock-step loop slower than one lane at a time.
-- The encoder takes one lane at a time, its bit buffer in registers.
+- Both coders advance four lanes in lock-step through an inlined step
+  function, the lanes' states in scalar locals (registers): four independent
+  dependency chains, and for interleaved lanes neighbouring elements. The
+  decoder's step takes two lookups of up to 3 symbols each
+  (:func:`multi_table`) from one unaligned 8-byte load, with no refill
+  branch; the encoder's takes two codes and one 8-byte store. The decoder
+  writes symbols to a buffer in element order, then one vectorized
+  :func:`merge` adds the raw plane; the encoder codes each of the four lanes
+  into a region of its worst-case size, then moves it down.
+- Indices are unsigned where it counts (numba then adds no negative-index
+  wraparound, and LLVM fuses 8 byte loads or stores into one ``movbe``), and
+  the coders run with ``_nrt=False``: they allocate nothing, and numba's
+  reference counting around every inlined call cost more than the step.
 - No ``prange``: the codec already codes chunks in parallel from a thread
   pool (``nogil=True``), and numba's default threading layer (workqueue)
   aborts when parallel kernels are launched from several threads at once.
-- The decoder is memory-safe for ANY input bytes: the lane plan is checked
-  against the arrays first, every 8-byte load lies inside ``stream`` (near
-  its end bytes past it read as zeros; a load may see the next lane's
-  bytes, which only an overrunning lane uses and its end check reports),
-  table indices are masked, and a step writes only slots of its own lane
-  that lie before the lane's last element. Numba does no bounds checking of
-  its own, so this holds by construction.
+- The decoder is memory-safe for ANY input bytes: the plan is checked
+  against the arrays first, every load lies inside ``stream`` (zeros past
+  its end; a load may see the next lane's bytes, which only an overrunning
+  lane uses, and its end check reports that), table indices are 12 bits,
+  and a step writes only slots of its own lane before the lane's last
+  element. Numba does no bounds checking of its own.
 - ``cache=True`` keeps the compiled code in ``__pycache__`` (or numba's user
-  cache): only the first process on a machine pays the JIT, about a second
-  per kernel and word width.
+  cache): only the first process on a machine pays the JIT.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 
 import numpy as np
 from numba import njit
@@ -51,13 +48,9 @@ TABLE_BITS = 12
 """Width of the one-level decode table these kernels index (entries ``(sym << 4) | length``)."""
 
 U8 = np.uint64(8)
-U16 = np.uint64(16)
-U24 = np.uint64(24)
-U32 = np.uint64(32)
 U255 = np.uint64(0xFF)
 U52 = np.uint64(64 - TABLE_BITS)
 U56 = np.uint64(56)
-TMASK = np.uint64((1 << TABLE_BITS) - 1)
 
 
 @njit(cache=True, nogil=True)
@@ -103,9 +96,7 @@ def split(words: np.ndarray, s: int, nraw: int, raw: np.ndarray, syms: np.ndarra
 
 
 @njit(inline="always")
-def _word(
-    sym: np.uint32, raw: np.ndarray, i: int, s: int, nraw: int, lowmask: np.uint32
-) -> np.uint32:  # pragma: no cover
+def _word(sym: np.uint32, raw: np.ndarray, i: int, s: int, nraw: int, lowmask: np.uint32):  # pragma: no cover
     if nraw == 1:
         r = np.uint32(raw[i])
     else:
@@ -116,28 +107,125 @@ def _word(
 @njit(cache=True, nogil=True)
 def merge(
     syms: np.ndarray, sym_stride: int, raw: np.ndarray, s: int, nraw: int, out: np.ndarray
-) -> None:  # pragma: no cover - jitted
-    """out[i] = the word of symbol ``syms[i * sym_stride]`` and raw bits ``raw[i]`` (stride 0: one symbol).
-
-    One loop per (stride, raw width) so that each is a plain vectorizable loop.
-    """
+) -> None:  # pragma: no cover
+    """out[i] = the word of symbol ``syms[i * sym_stride]`` and raw bits ``raw[i]`` (stride 0: one symbol)."""
     lowmask = np.uint32((1 << s) - 1)
-    if sym_stride == 1 and nraw == 1:
+    if sym_stride == 1 and nraw == 1:  # the decoder's case, on its own so that it vectorizes
         for i in range(out.size):
             out[i] = _word(np.uint32(syms[i]), raw, i, s, 1, lowmask)
-    elif sym_stride == 1:
-        for i in range(out.size):
-            out[i] = _word(np.uint32(syms[i]), raw, i, s, 3, lowmask)
-    elif sym_stride == 0 and nraw == 1:
-        sym = np.uint32(syms[0])
-        for i in range(out.size):
-            out[i] = _word(sym, raw, i, s, 1, lowmask)
     else:
         for i in range(out.size):
             out[i] = _word(np.uint32(syms[i * sym_stride]), raw, i, s, nraw, lowmask)
 
 
-@njit(cache=True, nogil=True)
+@njit(inline="always")
+def _store(stream: np.ndarray, p: int, v: np.uint64) -> None:  # pragma: no cover - jitted
+    """8 bytes of ``v`` big-endian at ``p`` (unsigned indices: one ``movbe`` store)."""
+    b = np.uint64(p)
+    for j in range(8):
+        stream[b + np.uint64(j)] = np.uint8((v >> np.uint64(56 - 8 * j)) & U255)
+
+
+@njit(inline="always")
+def _code(words: np.ndarray, i: int, s: int, tab: np.ndarray, acc: np.uint64, nb: int):  # pragma: no cover
+    """Append the code of element ``i``'s symbol to the low end of ``acc`` (``tab``: code << 5 | length)."""
+    e = tab[(np.uint32(words[np.uint64(i)]) >> s) & np.uint32(0xFF)]
+    ln = np.int64(e & 31)
+    return (acc << np.uint64(ln)) | np.uint64(e >> 5), nb + ln
+
+
+@njit(inline="always")
+def _put2(words, i, st, s, tab, acc, nb, stream, p):  # pragma: no cover - jitted
+    """Two codes (at most 40 bits on the < 8 pending), then every whole byte out by one 8-byte store."""
+    acc, nb = _code(words, i, s, tab, acc, nb)
+    acc, nb = _code(words, i + st, s, tab, acc, nb)
+    _store(stream, p, acc << np.uint64(64 - nb))
+    return acc, nb & 7, p + (nb >> 3)
+
+
+@njit(inline="always")
+def _put_room(i: int, last: int, st: int, p: int, limit: int) -> int:  # pragma: no cover - jitted
+    """:func:`_put2` steps that surely fit: 2 elements each up to ``last``, 5 bytes each, stores before ``limit``."""
+    return min(((last - i) // st + 1) // 2, (limit - 8 - p) // 5)
+
+
+@njit(cache=True, nogil=True, _nrt=False)
+def _close(words, i, last, st, s, tab, acc, nb, stream, p, limit, q0, dst, sizes, k) -> int:  # pragma: no cover
+    """Finish lane k, whose bytes start at ``q0`` (``p`` so far, up to ``limit``): whole steps while they fit,
+    then byte by byte; then move it down to ``dst``. Returns where its bytes end there, or -1."""
+    if dst < 0:
+        return -1
+    n = _put_room(i, last, st, p, limit)
+    while n > 0:
+        for _ in range(n):
+            acc, nb, p = _put2(words, i, st, s, tab, acc, nb, stream, p)
+            i += 2 * st
+        n = _put_room(i, last, st, p, limit)
+    while i <= last or nb > 0:
+        if i <= last:
+            acc, nb = _code(words, i, s, tab, acc, nb)
+            i += st
+        elif nb < 8:
+            acc <<= np.uint64(8 - nb)
+            nb = 8
+        while nb >= 8:
+            if p >= limit:
+                return -1
+            nb -= 8
+            stream[p] = np.uint8((acc >> np.uint64(nb)) & U255)
+            p += 1
+    sizes[k] = p - q0
+    if q0 != dst:
+        for b in range(q0, p):  # forward: dst < q0
+            stream[dst + b - q0] = stream[b]
+    return dst + p - q0
+
+
+@njit(cache=True, nogil=True, _nrt=False)
+def _encode_lanes(words, s, tab, maxlen, first, count, stride, sizes, stream) -> int:  # pragma: no cover - jitted
+    st = np.int64(stride)
+    lanes = first.size
+    p = 0  # where the next lane's bytes go
+    region = 0  # lane k may use stream[region_k : region_k+1]: sum of its predecessors' worst sizes
+    for k in range(0, lanes - lanes % 4, 4):  # four lanes in lock-step, each in its own region
+        r1 = region + (maxlen * count[k] + 7) // 8
+        r2 = r1 + (maxlen * count[k + 1] + 7) // 8
+        r3 = r2 + (maxlen * count[k + 2] + 7) // 8
+        r4 = r3 + (maxlen * count[k + 3] + 7) // 8
+        if r4 > stream.size:
+            return -1
+        i0, i1, i2, i3 = first[k], first[k + 1], first[k + 2], first[k + 3]
+        z0, z1 = i0 + (count[k] - 1) * st, i1 + (count[k + 1] - 1) * st  # the lanes' last elements
+        z2, z3 = i2 + (count[k + 2] - 1) * st, i3 + (count[k + 3] - 1) * st
+        p0, p1, p2, p3 = p, r1, r2, r3
+        a0 = a1 = a2 = a3 = np.uint64(0)
+        n0 = n1 = n2 = n3 = 0
+        while True:
+            n = min(
+                min(_put_room(i0, z0, st, p0, r1), _put_room(i1, z1, st, p1, r2)),
+                min(_put_room(i2, z2, st, p2, r3), _put_room(i3, z3, st, p3, r4)),
+            )
+            if n <= 0:
+                break
+            for _ in range(n):
+                a0, n0, p0 = _put2(words, i0, st, s, tab, a0, n0, stream, p0)
+                a1, n1, p1 = _put2(words, i1, st, s, tab, a1, n1, stream, p1)
+                a2, n2, p2 = _put2(words, i2, st, s, tab, a2, n2, stream, p2)
+                a3, n3, p3 = _put2(words, i3, st, s, tab, a3, n3, stream, p3)
+                i0, i1, i2, i3 = i0 + 2 * st, i1 + 2 * st, i2 + 2 * st, i3 + 2 * st
+        p = _close(words, i0, z0, st, s, tab, a0, n0, stream, p0, r1, p, p, sizes, k)
+        p = _close(words, i1, z1, st, s, tab, a1, n1, stream, p1, r2, r1, p, sizes, k + 1)
+        p = _close(words, i2, z2, st, s, tab, a2, n2, stream, p2, r3, r2, p, sizes, k + 2)
+        p = _close(words, i3, z3, st, s, tab, a3, n3, stream, p3, r4, r3, p, sizes, k + 3)
+        if p < 0:
+            return -1
+        region = r4
+    for k in range(lanes - lanes % 4, lanes):
+        z = first[k] + (count[k] - 1) * st
+        p = _close(words, first[k], z, st, s, tab, np.uint64(0), 0, stream, p, stream.size, p, p, sizes, k)
+    return p
+
+
 def encode_lanes(
     words: np.ndarray,
     s: int,
@@ -148,54 +236,27 @@ def encode_lanes(
     stride: int,
     sizes: np.ndarray,
     stream: np.ndarray,
-) -> int:  # pragma: no cover - jitted
+) -> int:
     """Code the symbols of ``words`` as lanes written one after another into ``stream``.
 
     Lane k codes ``words[first[k] + t * stride]``, ``t < count[k]``; its byte
     size goes to ``sizes[k]``. Returns the bytes used. ``stream`` must hold
-    ``ceil(20 n / 8) + lanes`` bytes. Lane by lane: encoding has no long
-    dependency chain to hide, and the bit accumulator stays in registers.
+    ``ceil(20 n / 8) + lanes`` bytes.
+
+    Raises:
+        ValueError: ``stream`` is too small for the worst case.
     """
-    p = 0
-    for k in range(first.size):
-        start = p
-        acc = np.uint64(0)
-        nb = 0
-        i = first[k]
-        for _ in range(count[k]):
-            sym = (np.uint32(words[i]) >> s) & np.uint32(0xFF)
-            ln = np.int64(len_full[sym])
-            acc = (acc << np.uint64(ln)) | np.uint64(code_full[sym])
-            nb += ln
-            if nb >= 32:
-                nb -= 32
-                v = acc >> np.uint64(nb)
-                stream[p] = np.uint8((v >> U24) & U255)
-                stream[p + 1] = np.uint8((v >> U16) & U255)
-                stream[p + 2] = np.uint8((v >> U8) & U255)
-                stream[p + 3] = np.uint8(v & U255)
-                p += 4
-            i += stride
-        while nb > 0:
-            if nb >= 8:
-                nb -= 8
-                stream[p] = np.uint8((acc >> np.uint64(nb)) & U255)
-            else:
-                stream[p] = np.uint8((acc << np.uint64(8 - nb)) & U255)
-                nb = 0
-            p += 1
-        sizes[k] = p - start
-    return p
+    tab = (code_full.astype(np.uint32) << np.uint32(5)) | len_full.astype(np.uint32)
+    used = _encode_lanes(words, s, tab, int(len_full.max()), first, count, stride, sizes, stream)
+    if used < 0:
+        raise ValueError("stream buffer too small for the lanes' worst case")
+    return used
 
 
 @njit(cache=True, nogil=True)
 def _multi_table(dec: np.ndarray, m: np.ndarray) -> None:  # pragma: no cover - jitted
-    """From the one-symbol table ``dec`` (entries ``(sym << 4) | length``), entries of up to 3 symbols.
-
-    Entry bits: 0-3 the code bits it consumes, 4-5 its symbol count, 7 "special"
-    (an escape: 8 literal bits follow; with 0 bits, no code), 8-31 the symbols.
-    A later code joins the entry when it ends inside the window and is no escape.
-    """
+    """Up to 3 symbols an entry: bits 0-3 the code bits, 4-5 the count, 7 "special" (an escape, whose 8
+    literal bits follow; with 0 bits, no code), 8-31 the symbols. A code joins if it fits and is no escape."""
     mask = (1 << TABLE_BITS) - 1
     for idx in range(1 << TABLE_BITS):
         e = np.int64(dec[idx])
@@ -218,8 +279,7 @@ def _multi_table(dec: np.ndarray, m: np.ndarray) -> None:  # pragma: no cover - 
 
 @njit(inline="always")
 def _load(stream: np.ndarray, byte: int) -> np.uint64:  # pragma: no cover - jitted
-    """8 stream bytes from ``byte``, big-endian. Unsigned indices: numba adds no negative-index
-    wraparound, and LLVM fuses the eight loads into one ``movbe``."""
+    """8 stream bytes from ``byte``, big-endian (unsigned indices: one ``movbe`` load)."""
     b = np.uint64(byte)
     acc = np.uint64(0)
     for j in range(8):
@@ -228,21 +288,8 @@ def _load(stream: np.ndarray, byte: int) -> np.uint64:  # pragma: no cover - jit
 
 
 @njit(inline="always")
-def _load_safe(stream: np.ndarray, byte: int) -> np.uint64:  # pragma: no cover - jitted
-    """:func:`_load` near the end of ``stream``: zeros past it."""
-    acc = np.uint64(0)
-    for j in range(8):
-        c = np.uint64(0)
-        if byte + j < stream.size:
-            c = np.uint64(stream[np.uint64(byte + j)])
-        acc = (acc << U8) | c
-    return acc
-
-
-@njit(inline="always")
 def _look(acc: np.uint64, m: np.ndarray, syms: np.ndarray, o: int, st: int, bad: bool):  # pragma: no cover
-    """One lookup at the top of ``acc``: up to 3 symbols to ``syms[o + j * st]`` (always 3 written,
-    so the caller keeps 3 slots of the lane ahead). Returns (acc, bits, o, bad)."""
+    """One lookup at the top of ``acc``: 3 slots ``syms[o + j * st]`` written, 1 to 3 of them symbols."""
     e = m[acc >> U52]
     ln = np.int64(e & 15)
     if e & 0x80:  # rare: an escape (its literal is the next 8 bits) or no code at all
@@ -266,36 +313,12 @@ def _step(stream: np.ndarray, bp: int, o: int, st: int, m: np.ndarray, syms: np.
 
 @njit(inline="always")
 def _room(bp: int, o: int, last: int, st: int, size: int) -> int:  # pragma: no cover - jitted
-    """Steps a lane surely has room for: 6 symbols each up to its ``last`` element, 40 bits each with
-    the 8-byte loads inside ``stream`` (they may read the next lane's bytes: never used unless the lane
-    overruns, which its end check reports)."""
+    """Steps a lane surely has room for: 6 symbols each up to ``last``, 40 bits each, loads inside ``stream``."""
     return min(((last - o) // st + 1) // 6, (size * 8 - 64 - bp) // 40)
 
 
-@njit(inline="always")
-def _lane_end(bp: int, start: int, end: int) -> int:  # pragma: no cover - jitted
-    """0 when a lane's codes ended in its last byte; 2 past it, 3 before it."""
-    consumed = bp - start * 8
-    if consumed > (end - start) * 8:
-        return 2
-    if (consumed + 7) // 8 != end - start:
-        return 3
-    return 0
-
-
 @njit(cache=True, nogil=True, _nrt=False)
-def _finish_lane(
-    stream: np.ndarray,
-    start: int,
-    end: int,
-    bp: int,
-    o: int,
-    last: int,
-    st: int,
-    m: np.ndarray,
-    dec: np.ndarray,
-    syms: np.ndarray,
-) -> int:  # pragma: no cover - jitted
+def _finish_lane(stream, start, end, bp, o, last, st, m, dec, syms) -> int:  # pragma: no cover - jitted
     """Finish one lane from bit ``bp`` and element ``o``: whole steps while they fit, then one code at
     a time (bounds-checked loads) up to its ``last`` element, then its end check. Returns 0 or an error."""
     bad = False
@@ -307,7 +330,10 @@ def _finish_lane(
     if bad:
         return 1
     while o <= last:
-        acc = _load_safe(stream, bp >> 3) << np.uint64(bp & 7)
+        acc = np.uint64(0)
+        for j in range((bp >> 3), (bp >> 3) + 8):  # bounds-checked: zeros past the stream
+            acc = (acc << U8) | np.uint64(stream[np.uint64(j)] if j < stream.size else 0)
+        acc <<= np.uint64(bp & 7)
         e = dec[acc >> U52]
         ln = np.int64(e & 15)
         if ln == 0:
@@ -319,21 +345,14 @@ def _finish_lane(
         syms[np.uint64(o)] = sym
         bp += ln
         o += st
-    return _lane_end(bp, start, end)
+    consumed = bp - start * 8  # then 0 if the codes ended in the lane's last byte, 2 past it, 3 before it
+    if consumed > (end - start) * 8:
+        return 2
+    return 0 if (consumed + 7) // 8 == end - start else 3
 
 
 @njit(cache=True, nogil=True, _nrt=False)
-def _decode_syms(
-    stream: np.ndarray,
-    starts: np.ndarray,
-    ends: np.ndarray,
-    first: np.ndarray,
-    count: np.ndarray,
-    stride: int,
-    dec: np.ndarray,
-    m: np.ndarray,
-    syms: np.ndarray,
-) -> int:  # pragma: no cover - jitted
+def _decode_syms(stream, starts, ends, first, count, stride, dec, m, syms) -> int:  # pragma: no cover - jitted
     """The lanes' symbols into ``syms`` (element order). ``_nrt=False``: nothing is allocated here, and
     numba's reference counting of the arrays passed to the inlined steps would cost more than the steps."""
     lanes = first.size
@@ -403,7 +422,7 @@ def decode_lanes(
     """
     if raw.size < nraw * out.size:
         raise StreamError(4)
-    syms = _scratch(out.size)
+    syms = np.empty(out.size, dtype=np.uint8)  # 1 MB a chunk: malloc reuses it, no page faults
     rc = _decode_syms(stream, starts, ends, first, count, stride, table, multi_table(table), syms)
     if rc != 0:
         raise StreamError(-rc)
@@ -423,20 +442,6 @@ def multi_table(table: np.ndarray) -> np.ndarray:
     if table.shape != (1 << TABLE_BITS,):
         raise StreamError(4)
     return _multi_cached(table.astype(np.uint16, copy=False).tobytes())
-
-
-_SCRATCH_KEEP = 1 << 22
-_local = threading.local()
-
-
-def _scratch(n: int) -> np.ndarray:
-    """A per-thread symbol buffer of ``n`` bytes, kept between calls up to ``_SCRATCH_KEEP``."""
-    buf = getattr(_local, "syms", None)
-    if buf is None or buf.size < n:
-        buf = np.empty(n, dtype=np.uint8)
-        if n <= _SCRATCH_KEEP:
-            _local.syms = buf
-    return buf[:n]
 
 
 __all__ = ["TABLE_BITS", "decode_lanes", "encode_lanes", "merge", "multi_table", "split", "sym_hist"]

@@ -1,4 +1,4 @@
-"""The numba lane decoder against a few-line reference: the multi-symbol table, both lane plans, escapes, errors."""
+"""The numba lane coder against few-line references: the multi-symbol table, both lane plans, escapes, errors."""
 
 from __future__ import annotations
 
@@ -139,3 +139,23 @@ def test_streams_shorter_than_one_load() -> None:
     out = np.zeros_like(words)
     kc.decode_lanes(stream, starts, ends, first, count, stride, raw, s, nraw, dec, out)
     assert np.array_equal(out, words)
+
+
+@pytest.mark.parametrize(
+    "n,version,lane_syms", [(5, VERSION_LANES, 0), (4099, VERSION_LANES, 0), (3001, VERSION_SEGMENTS, 100)]
+)
+def test_encode_lanes_writes_the_codes_end_to_end(n: int, version: int, lane_syms: int) -> None:
+    """Each lane is its elements' full codes, MSB first, padded to a byte; lanes follow each other."""
+    words, stream, starts, ends, first, count, stride, raw, s, nraw, dec = _case("bf16", n, version, lane_syms, 4, True)
+    code, ln = full_codes(hf.model_table("bf16", hf.sigma_to_q(0.02)))
+    want = bytearray()
+    for k in range(len(first)):
+        lane = [(int(words[first[k] + t * stride]) >> s) & 0xFF for t in range(int(count[k]))]
+        bits = "".join(format(int(code[y]), f"0{int(ln[y])}b") for y in lane)
+        bits += "0" * (-len(bits) % 8)
+        want += bytes(int(bits[i : i + 8], 2) for i in range(0, len(bits), 8))
+    assert bytes(stream) == bytes(want)
+    with pytest.raises(ValueError):  # a buffer below the worst case is refused, not overrun
+        kc.encode_lanes(
+            words, s, code, ln, first, count, stride, np.zeros(len(first), np.int64), np.empty(n // 4, np.uint8)
+        )

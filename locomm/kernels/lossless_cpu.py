@@ -59,10 +59,8 @@ def _sym_hist(words: np.ndarray, s: int, hist: np.ndarray) -> None:  # pragma: n
     part = np.zeros((4, 256), dtype=np.int64)  # 4 partial histograms: repeats of one symbol don't serialize
     m = n - n % 4
     for i in range(0, m, 4):
-        part[0, (np.uint32(words[i]) >> s) & 0xFF] += 1
-        part[1, (np.uint32(words[i + 1]) >> s) & 0xFF] += 1
-        part[2, (np.uint32(words[i + 2]) >> s) & 0xFF] += 1
-        part[3, (np.uint32(words[i + 3]) >> s) & 0xFF] += 1
+        for j in range(4):
+            part[j, (np.uint32(words[i + j]) >> s) & 0xFF] += 1
     for i in range(m, n):
         part[0, (np.uint32(words[i]) >> s) & 0xFF] += 1
     for b in range(256):
@@ -82,6 +80,10 @@ def split(words: np.ndarray, s: int, nraw: int, raw: np.ndarray, syms: np.ndarra
     the symbols into ``syms`` when it is not empty."""
     lowmask = np.uint32((1 << s) - 1)
     keep = syms.size > 0
+    if nraw == 1 and not keep:  # the coded chunks' case, on its own so that it vectorizes
+        for i in range(words.size):
+            raw[i] = np.uint8(((np.uint32(words[i]) >> (s + 8)) << s) | (np.uint32(words[i]) & lowmask))
+        return
     for i in range(words.size):
         w = np.uint32(words[i])
         r = ((w >> (s + 8)) << s) | (w & lowmask)
@@ -186,9 +188,8 @@ def _encode_lanes(words, s, tab, maxlen, first, count, stride, sizes, stream) ->
     st = np.int64(stride)
     lanes = first.size
     p = 0  # where the next lane's bytes go
-    region = 0  # lane k may use stream[region_k : region_k+1]: sum of its predecessors' worst sizes
-    for k in range(0, lanes - lanes % 4, 4):  # four lanes in lock-step, each in its own region
-        r1 = region + (maxlen * count[k] + 7) // 8
+    for k in range(0, lanes - lanes % 4, 4):  # four lanes in lock-step, each in a worst-case region from p
+        r1 = p + (maxlen * count[k] + 7) // 8  # p <= the lanes before's worst: the regions fit
         r2 = r1 + (maxlen * count[k + 1] + 7) // 8
         r3 = r2 + (maxlen * count[k + 2] + 7) // 8
         r4 = r3 + (maxlen * count[k + 3] + 7) // 8
@@ -219,7 +220,6 @@ def _encode_lanes(words, s, tab, maxlen, first, count, stride, sizes, stream) ->
         p = _close(words, i3, z3, st, s, tab, a3, n3, stream, p3, r4, r3, p, sizes, k + 3)
         if p < 0:
             return -1
-        region = r4
     for k in range(lanes - lanes % 4, lanes):
         z = first[k] + (count[k] - 1) * st
         p = _close(words, first[k], z, st, s, tab, np.uint64(0), 0, stream, p, stream.size, p, p, sizes, k)

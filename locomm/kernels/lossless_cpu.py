@@ -1,38 +1,31 @@
 """Numba CPU kernels of the lossless exponent coder: launchers over arrays, both stream layouts.
 
 Notable:
-- A float word splits as ``sym = (w >> s) & 0xFF`` (the 8-bit symbol: the
-  exponent, or for fp16 the top byte) and ``raw`` = the other bits, packed
-  into ``nraw`` little-endian bytes.
-- A chunk's symbols are coded as independent *lanes*, each an MSB-first bit
-  stream padded to a byte. Lane k holds elements ``first[k] + t * stride``
-  for ``t < count[k]``: the caller's plan says which (contiguous quarters,
-  stride 1, in wire version 1; interleaved lanes, stride L, in version 2).
-  Codes come "full" (an escape code then the symbol's 8 bits, <= 20 bits).
-- Both coders advance four lanes in lock-step through an inlined step
-  function, the lanes' states in scalar locals (registers): four independent
-  dependency chains, and for interleaved lanes neighbouring elements. The
-  decoder's step takes two lookups of up to 3 symbols each
-  (:func:`multi_table`) from one unaligned 8-byte load, with no refill
-  branch; the encoder's takes two codes and one 8-byte store. The decoder
-  writes symbols to a buffer in element order, then one vectorized
-  :func:`merge` adds the raw plane; the encoder codes each of the four lanes
-  into a region of its worst-case size, then moves it down.
-- Indices are unsigned where it counts (numba then adds no negative-index
-  wraparound, and LLVM fuses 8 byte loads or stores into one ``movbe``), and
-  the coders run with ``_nrt=False``: they allocate nothing, and numba's
-  reference counting around every inlined call cost more than the step.
-- No ``prange``: the codec already codes chunks in parallel from a thread
-  pool (``nogil=True``), and numba's default threading layer (workqueue)
-  aborts when parallel kernels are launched from several threads at once.
-- The decoder is memory-safe for ANY input bytes: the plan is checked
-  against the arrays first, every load lies inside ``stream`` (zeros past
-  its end; a load may see the next lane's bytes, which only an overrunning
-  lane uses, and its end check reports that), table indices are 12 bits,
-  and a step writes only slots of its own lane before the lane's last
-  element. Numba does no bounds checking of its own.
-- ``cache=True`` keeps the compiled code in ``__pycache__`` (or numba's user
-  cache): only the first process on a machine pays the JIT.
+- A float word splits as ``sym = (w >> s) & 0xFF`` (the 8-bit symbol: the exponent, or for fp16
+  the top byte) and ``raw`` = the other bits, packed into ``nraw`` little-endian bytes.
+- A chunk's symbols are coded as independent *lanes*, each an MSB-first bit stream padded to a
+  byte. Lane k holds elements ``first[k] + t * stride`` for ``t < count[k]``: the caller's plan
+  says which (contiguous quarters, stride 1, in wire version 1; interleaved lanes, stride L, in
+  version 2). Codes come "full" (an escape code then the symbol's 8 bits, <= 20 bits).
+- Both coders advance four lanes in lock-step through an inlined step function, the lanes'
+  states in scalar locals (registers): four independent dependency chains, and for interleaved
+  lanes neighbouring elements. The decoder's step takes two lookups of up to 3 symbols each
+  (:func:`multi_table`) from one unaligned 8-byte load, with no refill branch; the encoder's
+  takes two codes and one 8-byte store. The decoder writes symbols to a buffer, then vectorized
+  :func:`merge` adds the raw plane; the encoder codes each of the four lanes into a region of
+  its worst-case size, then moves it down.
+- Indices are unsigned where it counts (numba then adds no negative-index wraparound, and LLVM
+  fuses 8 byte loads or stores into one ``movbe``), and the coders run with ``_nrt=False``: they
+  allocate nothing, and numba's reference counting around every inlined call cost more than the step.
+- No ``prange``: the codec already codes chunks in parallel from a thread pool (``nogil=True``),
+  and numba's default threading layer (workqueue) aborts when parallel kernels are launched from
+  several threads at once.
+- The decoder is memory-safe for ANY input bytes: the plan is checked against the arrays first,
+  every load lies inside ``stream`` (zeros past its end; a load may see the next lane's bytes,
+  which only an overrunning lane uses, and its end check reports that), table indices are 12
+  bits, and a step writes only slots of its own lane before the lane's last element. Numba does
+  no bounds checking of its own.
+- ``cache=True`` keeps the compiled code in ``__pycache__``: only a machine's first process pays the JIT.
 """
 
 from __future__ import annotations
@@ -241,10 +234,7 @@ def encode_lanes(
 
     Lane k codes ``words[first[k] + t * stride]``, ``t < count[k]``; its byte
     size goes to ``sizes[k]``. Returns the bytes used. ``stream`` must hold
-    ``ceil(20 n / 8) + lanes`` bytes.
-
-    Raises:
-        ValueError: ``stream`` is too small for the worst case.
+    ``ceil(20 n / 8) + lanes`` bytes (a smaller one raises ValueError).
     """
     tab = (code_full.astype(np.uint32) << np.uint32(5)) | len_full.astype(np.uint32)
     used = _encode_lanes(words, s, tab, int(len_full.max()), first, count, stride, sizes, stream)
@@ -410,23 +400,34 @@ def decode_lanes(
 ) -> None:
     """Decode lane streams into ``out``, merging each symbol with its raw bits.
 
-    Lane k is ``stream[starts[k]:ends[k]]`` and holds elements
-    ``first[k] + t * stride``, ``t < count[k]`` (int64 arrays). ``table`` has
-    ``2**TABLE_BITS`` entries ``(sym << 4) | length``, length 0 marking a bit
-    pattern that is no code and symbol 256 an escape (8 literal bits
+    Lane k is ``stream[starts[k]:ends[k]]`` and holds elements ``first[k] + t * stride``,
+    ``t < count[k]`` (int64 arrays). ``table`` has ``2**TABLE_BITS`` entries ``(sym << 4) | length``,
+    length 0 marking a bit pattern that is no code and symbol 256 an escape (8 literal bits
     follow). ``raw`` holds ``nraw`` bytes per element of ``out``.
 
     Raises:
         StreamError: an invalid code, a lane that runs past its end or leaves
             bytes unread, or a plan outside the arrays.
     """
-    if raw.size < nraw * out.size:
+    last = np.where(count > 0, first + (count - 1) * stride, -1)
+    if raw.size < nraw * out.size or int(last.max(initial=-1)) >= out.size:
         raise StreamError(4)
-    syms = np.empty(out.size, dtype=np.uint8)  # 1 MB a chunk: malloc reuses it, no page faults
-    rc = _decode_syms(stream, starts, ends, first, count, stride, table, multi_table(table), syms)
+    # Interleaved lanes: rows padded by 64 bytes, or a lane's slots 1 KiB apart fill 4 of L1's 64 sets.
+    rows = stride > 1 and int(first.max(initial=0)) < stride
+    lp = stride + 64 if rows else stride
+    syms = np.empty(-(-out.size // stride) * lp if rows else out.size, dtype=np.uint8)
+    rc = _decode_syms(stream, starts, ends, first, count, lp, table, multi_table(table), syms)
     if rc != 0:
         raise StreamError(-rc)
-    merge(syms, 1, raw, s, nraw, out)
+    _merge_rows(syms, lp, raw, s, nraw, out, stride if rows else max(out.size, 1))
+
+
+@njit(cache=True, nogil=True)
+def _merge_rows(syms, lp, raw, s, nraw, out, row) -> None:  # pragma: no cover - jitted
+    """:func:`merge` of ``out[t * row + c]`` with symbol ``syms[t * lp + c]``, row by row."""
+    for a in range(0, out.size, row):
+        b = min(out.size, a + row)
+        merge(syms[a // row * lp : a // row * lp + b - a], 1, raw[nraw * a : nraw * b], s, nraw, out[a:b])
 
 
 @functools.lru_cache(maxsize=64)

@@ -73,13 +73,7 @@ class _EarlyReset(ConnectionError):
 
 
 _PAYLOAD_CODES = {"shape": ErrorCode.BAD_SHAPE, "payload": ErrorCode.BAD_PAYLOAD, "finite": ErrorCode.NOT_FINITE}
-_REFUSALS = {
-    ErrorCode.BANNED,
-    ErrorCode.WRONG_RUN,
-    ErrorCode.BAD_VERSION,
-    ErrorCode.STALE_ROUND,
-    ErrorCode.UNAUTHORIZED,
-}
+_REFUSALS = {ErrorCode[n] for n in ("BANNED", "WRONG_RUN", "BAD_VERSION", "STALE_ROUND", "UNAUTHORIZED")}
 """Answers after which the partner will not send us its payload this round."""
 
 
@@ -133,7 +127,11 @@ class Gossip:
     def _open_incoming(self, remote: str, round_idx: int, t: Transfer) -> Incoming:
         if abs(round_idx - self.current_round) > ROUND_WINDOW:
             raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {round_idx}, we are at {self.current_round}")
-        if abs(round_idx - self.current_round) > RECEIVE_WINDOW:
+        if round_idx < self.current_round - RECEIVE_WINDOW:  # applied already: a refusal, the sender moves on
+            raise ProtocolViolation(
+                ErrorCode.STALE_ROUND, f"round {round_idx} is over here (we are at {self.current_round})"
+            )
+        if round_idx > self.current_round + RECEIVE_WINDOW:  # we are behind: the sender retries
             raise ProtocolViolation(
                 ErrorCode.NOT_READY, f"round {round_idx} is not open yet (we are at {self.current_round})"
             )
@@ -218,6 +216,8 @@ class Gossip:
 
     async def _on_pull(self, call: Call) -> None:
         out = self.outgoing.get(call.msg.round)
+        if out is None and call.msg.round < self.current_round - RECEIVE_WINDOW:
+            raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {call.msg.round} is over here")
         if out is None or call.remote not in out.peers:
             raise ProtocolViolation(ErrorCode.NOT_READY, f"no payload of round {call.msg.round} for you")
         await call.answer(ErrorCode.OK, **transfer_fields(out.xfer ^ 1, 0, 1, out.enc, out.parts))

@@ -19,6 +19,8 @@ Notable:
              = round_t0 + (r - round + 1) * round_s   otherwise
       arrive = max(ready, now) + wire_bytes * partners / up_Bps
       eta    = arrive + stall_timeout_s + round_s / 4     (slack: a stall, compute jitter)
+  and ``now`` (no wait) once its round is ``PASSED_ROUNDS`` past r: it has applied r
+  and dropped that payload.
   A worker waits for it until ``min(start + max_wait_s, eta)`` (``wait_deadline``), and
   for as long as its transfer is moving.
 - ``ema``: the heartbeat's round time and upload rate are ``0.7 * old + 0.3 * new``
@@ -35,6 +37,9 @@ EMA_KEEP = 0.7
 """Weight of the old value in the round-time and upload-rate averages."""
 ETA_JITTER_ROUNDS = 0.25
 """Slack in a partner's ETA for jitter in its compute, in rounds of its own."""
+PASSED_ROUNDS = 2
+"""A partner whose heartbeat round is this far past r has applied round r (one round late) and dropped its
+payload of r: nobody waits for it."""
 MIN_OWN_ROUND_S = 1.0
 """A partner that published no round time is assumed to take our own, at least this long."""
 
@@ -128,6 +133,11 @@ def partner_eta(
         limits: the run's limits (the stall timeout is part of the slack).
         now: the present, in the clock of ``round_t0`` and of the answer.
     """
+    if partner_round is not None and partner_round >= round_idx + PASSED_ROUNDS:
+        # It has applied round_idx and dropped its payload: nothing of that round will come, and a pull would
+        # find nothing. Waiting for it anyway is how a peer that fell two rounds behind stays behind: its
+        # pushes are refused as stale, it waits out every partner's ETA, and they wait out its.
+        return now
     own = max(own_round_s, MIN_OWN_ROUND_S)
     round_s = float(round_s or own)
     t0 = now if round_t0 is None else float(round_t0)

@@ -234,6 +234,24 @@ def test_valid_push_is_answered_ok_and_delivered_bit_exact(pool):
     run(body())
 
 
+def test_a_round_we_applied_is_refused_as_stale_and_one_ahead_is_not_ready(pool):
+    """A receiver two rounds past r has applied r: a push of r is a refusal (STALE_ROUND: the sender stops
+    retrying and stops waiting for us), never a fault; a push two rounds ahead is NOT_READY (we are behind:
+    retry). Answering "not ready" to the stale one kept a peer that fell two rounds behind there for good."""
+
+    async def body():
+        h = Harness(pool)
+        h.gossip.advance(5)
+        payload = make_payload(h.codec)
+        old = await h.request(push_frame(h.codec, round_idx=3) + body_bytes(h.codec, payload))
+        ahead = await h.request(push_frame(h.codec, round_idx=7, xfer=8) + body_bytes(h.codec, payload))
+        near = await h.request(push_frame(h.codec, round_idx=4, xfer=9) + body_bytes(h.codec, payload))
+        assert (status(old), status(ahead), status(near)) == (ErrorCode.STALE_ROUND, ErrorCode.NOT_READY, ErrorCode.OK)
+        assert h.fault_log == [] and set(h.gossip.mailbox) == {4}
+
+    run(body())
+
+
 def test_add_registers_the_handler_and_it_serves(pool):
     """``add`` is the only use of p2p: the registered callback serves with the stream's peer id."""
 

@@ -128,3 +128,11 @@ def test_waits_and_ema() -> None:
     assert sibling_wait_s(3.0, Limits(stall_timeout_s=20.0, max_wait_s=10.0)) == 10.0
     assert ema(0.0, 5.0) == 5.0
     assert ema(10.0, 20.0) == pytest.approx(13.0)
+
+
+def test_eta_partner_two_rounds_past_is_not_waited_for() -> None:
+    # Its heartbeat says round 7: it applied round 5 (one round late) and dropped its payload; a peer that fell
+    # behind would otherwise wait out this ETA every round and never catch up.
+    kw = dict(round_t0=100.0, round_s=40.0, up_Bps=2e6, partners=1, own_round_s=30.0, wire_bytes=10e6, limits=LIM)
+    assert partner_eta(round_idx=5, partner_round=7, now=150.0, **kw) == 150.0
+    assert partner_eta(round_idx=5, partner_round=6, now=150.0, **kw) > 150.0 + LIM.stall_timeout_s

@@ -216,8 +216,6 @@ class Gossip:
 
     async def _on_pull(self, call: Call) -> None:
         out = self.outgoing.get(call.msg.round)
-        if out is None and call.msg.round < self.current_round - RECEIVE_WINDOW:
-            raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {call.msg.round} is over here")
         if out is None or call.remote not in out.peers:
             raise ProtocolViolation(ErrorCode.NOT_READY, f"no payload of round {call.msg.round} for you")
         await call.answer(ErrorCode.OK, **transfer_fields(out.xfer ^ 1, 0, 1, out.enc, out.parts))

@@ -317,8 +317,11 @@ class Stage:
         await self.host.compute(self.worker.maybe_step)
         await self.svc.notify()
         r = self._due_round()
-        if r is not None:  # in the background: the upstream's answer must not wait for an outer round
-            self.host.spawn(self._sync(r), background=True)
+        if r is not None:
+            # Before this micro-batch is answered: the next one reaches us only after the round's apply and
+            # plan, so which steps they see is set by the data clock, not by timing (the simulator's order).
+            # Only the exchange itself runs in the background.
+            await self._sync(r)
 
     async def _sync(self, r: int) -> None:
         """Replica sync of round ``r`` (by the data clock): apply round r - 1's exchange, start round r's."""
@@ -327,14 +330,13 @@ class Stage:
         self.round_s = now - self._last_round_t if self._last_round_t else 0.0
         self._last_round_t = now
         await host.compute(self._snapshot, r + 1)
-        await host.publish()
         async with self._sync_lock:
             if self.pending is not None:  # apply the previous round's exchange, one round late
                 await self._settle()
             self.gossip.advance(r)
-            await host.read_beats()
-            # Replicas of this stage with a fresh heartbeat: a sibling that died drops out within seconds,
-            # so nobody waits out max_wait_s for its payload.
+            # Replicas of this stage with a fresh heartbeat (as the heartbeat loop last read them: no DHT
+            # round trip between the trigger and the plan): a sibling that died drops out within seconds, so
+            # nobody waits out max_wait_s for its payload.
             net = self.spec.network
             beats = live(host.beats.values(), host.dht_now(), 3 * net.heartbeat_interval_s, stage=self.stage)
             members = members_for_round(beats, r, host.me, fresh_s=net.heartbeat_ttl_s, now=host.dht_now())
@@ -346,6 +348,7 @@ class Stage:
             )
             self.pending = (planned, task)
             self.round = r + 1
+        host.publish_soon()
 
     async def _settle_last(self, grace_s: float) -> None:
         if self.pending is not None:

@@ -7,9 +7,9 @@ replica's final weights agree to float tolerance.
 
 Held at 2 stages x 1 replica. With 2 replicas per stage the daemon is not deterministic: a
 stage-1 replica serves micro-batches from both stage-0 replicas in whatever order they arrive
-(which sets which micro-batches share its optimizer steps), and its replica sync runs in the
-background, so the micro-batches it serves between a round's trigger and its plan (or apply)
-depend on timing. The simulator fixes both to the order (step, micro-batch, stage-0 replica).
+(which sets which micro-batches share its optimizer steps); the simulator fixes it to the order
+(step, micro-batch, stage-0 replica). A replica applies and plans its sync before it answers the
+micro-batch that made it due, so the sync itself falls at a fixed point of the data clock.
 """
 
 from __future__ import annotations

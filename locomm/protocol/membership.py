@@ -5,17 +5,25 @@ field is parsed and checked here, once, when a record is read: :meth:`Heartbeat.
 ``None`` for a record with any bad field (wrong type, not finite, out of range, too long), so one
 malformed record from any peer is a dropped record, never an exception inside a round loop.
 
-The members of round r are the live peers whose ``join_round <= r`` and whose last round is not far
-behind r (:func:`members_for_round`), sorted by peer id. A joiner announces a join_round a little
-ahead of the swarm, so every peer includes it from the same round on. Local bans never change the
-members: a banned partner is skipped at exchange time instead.
+The members of round r are the live peers admitted by r and whose last round is not far behind r
+(:func:`members_for_round`), sorted by peer id. A joiner announces a join_round a little ahead of the
+swarm, so every peer includes it from the same round on. Local bans never change the members: a banned
+partner is skipped at exchange time instead.
+
+Admission is bounded (:func:`admission_rounds`): at most ``max(JOIN_CAP_MIN, JOIN_CAP_FRACTION x the
+members admitted before)`` new members per round, a rule every peer computes alike from the same signed
+records; a flood of joiners (or of identities minted by one attacker) is admitted a few per round, in an
+order by hash of the peer id, and the rest wait their turn. Without a flood every joiner is admitted at the
+round it announced, exactly as before.
 
 Nothing here does I/O or reads a clock: ``now`` is passed in (DHT time, seconds since the epoch).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +34,10 @@ MEMBER_LAG_ROUNDS = 3
 NOT_ADMITTED = 2**31 - 1
 """join_round of a joiner that has not synced yet: nobody counts it as a member."""
 MAX_ROUND = 2**31 - 1
+JOIN_CAP_MIN = 16
+"""New members one round admits at least (a swarm of up to this many founders starts together)."""
+JOIN_CAP_FRACTION = 0.25
+"""... and at most this fraction of the members admitted before it, when that is more."""
 MAX_ADDRS = 16
 MAX_ADDR_LEN = 256
 MAX_VERSION_LEN = 64
@@ -185,21 +197,54 @@ class Heartbeat:
         return self.join_round < NOT_ADMITTED
 
 
+def join_cap(established: int) -> int:
+    """How many new members one round admits, given how many were admitted before it."""
+    return max(JOIN_CAP_MIN, math.ceil(JOIN_CAP_FRACTION * established))
+
+
+def admission_rounds(beats: Iterable[Heartbeat]) -> dict[str, int]:
+    """The round from which each admitted peer counts as a member: its announced ``join_round``, later when
+    that round's admissions are full (:func:`join_cap`).
+
+    Peers are taken in order of (join_round, sha256 of the peer id) and each gets the first round at or after
+    its join_round with a free slot, so the result is a function of the records alone: every peer that reads
+    the same heartbeats computes the same rounds.
+    """
+    order = sorted(
+        (b for b in beats if b.admitted), key=lambda b: (b.join_round, hashlib.sha256(b.peer.encode()).digest())
+    )
+    used: dict[int, int] = {}
+    assigned: list[int] = []  # effective rounds so far, sorted
+    out: dict[str, int] = {}
+    for b in order:
+        r = b.join_round
+        while used.get(r, 0) >= join_cap(bisect.bisect_left(assigned, r)):
+            r += 1
+        used[r] = used.get(r, 0) + 1
+        bisect.insort(assigned, r)
+        out[b.peer] = r
+    return out
+
+
 def members_for_round(
     beats: Iterable[Heartbeat], round_idx: int, me: str, fresh_s: float = 0.0, now: float = 0.0
 ) -> list[str]:
     """The members of round r, from a snapshot every peer reads alike.
 
-    A peer is a member of r when it was admitted by r (``join_round <= r``) and either its last published
-    round is at least ``r - MEMBER_LAG_ROUNDS`` or its heartbeat is younger than ``fresh_s`` at ``now`` (a
-    live peer that is merely slow stays in). A peer that died drops out when both fail: its frozen round
-    counter is content every peer reads alike, so where rounds are longer than the heartbeat TTL (any real
-    run) it drops out for everyone at the same round, whenever each one reads.
+    A peer is a member of r when it was admitted by r (its :func:`admission_rounds` round ``<= r``) and either
+    its last published round is at least ``r - MEMBER_LAG_ROUNDS`` or its heartbeat is younger than
+    ``fresh_s`` at ``now`` (a live peer that is merely slow stays in). A peer that died drops out when both
+    fail: its frozen round counter is content every peer reads alike, so where rounds are longer than the
+    heartbeat TTL (any real run) it drops out for everyone at the same round, whenever each one reads.
+    ``me`` is always included (a peer not yet admitted trains alone, and nobody expects it).
     """
+    beats = list(beats)
+    admitted = admission_rounds(beats)
     members = {
         h.peer
         for h in beats
-        if h.join_round <= round_idx and (h.round >= round_idx - MEMBER_LAG_ROUNDS or now - h.time < fresh_s)
+        if admitted.get(h.peer, NOT_ADMITTED) <= round_idx
+        and (h.round >= round_idx - MEMBER_LAG_ROUNDS or now - h.time < fresh_s)
     }
     members.add(me)
     return sorted(members)

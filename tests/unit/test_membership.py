@@ -55,3 +55,55 @@ def test_a_banned_partner_is_skipped_at_exchange_time():
     assert asyncio.run(run()) == {}
     members = members_for_round(beats(0), 0, "pa")
     assert "pb" in members and group_of("pa", noloco_groups(0, members, 2)) is not None
+
+
+def test_admission_without_a_flood_is_the_announced_round():
+    from locomm.protocol.membership import admission_rounds
+
+    beats = [Heartbeat(peer=f"p{i}", join_round=0) for i in range(8)]
+    beats += [Heartbeat(peer="late", join_round=5), Heartbeat(peer="waiting", join_round=2**31 - 1)]
+    rounds = admission_rounds(beats)
+    assert rounds == {**{f"p{i}": 0 for i in range(8)}, "late": 5}
+
+
+def test_a_flood_of_joiners_is_admitted_a_bounded_number_per_round_and_alike():
+    from locomm.protocol.membership import JOIN_CAP_MIN, admission_rounds, join_cap
+
+    founders = [Heartbeat(peer=f"f{i}", round=10, join_round=0) for i in range(8)]
+    flood = [Heartbeat(peer=f"sybil{i}", round=10, join_round=10) for i in range(200)]
+    rounds = admission_rounds(founders + flood)
+    assert all(rounds[f"f{i}"] == 0 for i in range(8))  # the flood never displaces earlier members
+    per_round: dict[int, int] = {}
+    for p, r in rounds.items():
+        if p.startswith("sybil"):
+            per_round[r] = per_round.get(r, 0) + 1
+    established = 8
+    for r in sorted(per_round):
+        assert per_round[r] <= join_cap(established), (r, per_round[r])
+        established += per_round[r]
+    assert per_round[10] == JOIN_CAP_MIN
+    # Every reader computes the same rounds, whatever order it read the records in.
+    assert admission_rounds(list(reversed(founders + flood))) == rounds
+    members = members_for_round(founders + flood, 10, "f0")
+    assert len(members) == 8 + JOIN_CAP_MIN
+
+
+def test_round_partners_match_each_algorithms_plan():
+    import torch
+
+    from locomm.config import OuterConfig
+    from locomm.protocol import build_outer
+    from locomm.protocol.schedule import round_partners
+
+    params = {"w": torch.zeros(3)}
+    members = [f"m{i}" for i in range(7)]
+    for cfg in (
+        OuterConfig(algo="noloco", group_size=2, seed=3),
+        OuterConfig(algo="gasloc", topology="kpeers", k_peers=2, participation=0.7),
+        OuterConfig(algo="sparseloco"),
+    ):
+        for me in members:
+            algo = build_outer(cfg, params, me)
+            for r in range(6):
+                assert round_partners(cfg, r, members, me) == set(algo.plan(r, members, params).peers), (cfg.algo, r)
+    assert round_partners(OuterConfig(algo="noloco"), 0, members, "outsider") == set()

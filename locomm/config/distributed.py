@@ -183,6 +183,10 @@ class NetworkConfig:
     parallel_threshold_mb: float = 16.0
     max_streams_per_peer: int = 16
     """Open streams one remote peer may hold at once; more are refused with NOT_READY."""
+    max_inbound_streams: int = 256
+    """Open inbound streams a peer serves at once from all peers together (ids are free, so the per-peer cap
+    alone bounds nothing); more are refused with NOT_READY before their header is read. Each admitted stream
+    may buffer a header of up to 1 MiB, so this also bounds that memory."""
     heartbeat_interval_s: float = 5.0
     heartbeat_ttl_s: float = 30.0
     max_message_mb: float = 1024.0
@@ -204,6 +208,7 @@ class NetworkConfig:
             "streams_per_transfer",
             "parallel_threshold_mb",
             "max_streams_per_peer",
+            "max_inbound_streams",
         )
         check(
             self.streams_per_transfer <= 16, "streams_per_transfer", f"must be <= 16, got {self.streams_per_transfer}"

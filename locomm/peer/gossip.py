@@ -22,6 +22,11 @@ answered. No global barrier.
   partners answer its push with ``pull=True`` when they could not reach it, and
   it then pulls their payload on a stream it opens itself. A worker also pulls a
   partner's payload once its ETA has passed with nothing arriving.
+- **Admission and memory.** ``admit(peer, round)``, when given, is asked before a push is read: a sender it
+  refuses (not one of the round's partners) is answered ``UNAUTHORIZED``, a refusal, not a fault. At most
+  ``max_payloads`` pushed payloads are being received at once (``partners + 2`` once :meth:`Gossip.exchange`
+  has seen a round's partners, unless the constructor fixed it); beyond it a push is answered ``NOT_READY``
+  before its buffer is allocated. Pulls we start ourselves are not counted (we chose those partners).
 - **Faults** are protocol violations and bad payloads only (``FAULT_CODES``);
   repeated faults ban. Bans are local: a banned partner is skipped at exchange
   time, never removed from the round's membership (every peer must compute the
@@ -36,14 +41,15 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from hivemind.p2p import P2P
 
 from locomm.compression.payload import Part, PayloadCodec, PayloadError
 from locomm.peer.rpc import Call, Clock, Limits, Link, RpcServer, Service, TransferCut, Unreachable, open_link
-from locomm.peer.transfers import Faults, GossipStats, Incoming, Outgoing, balance_lanes
+from locomm.peer.transfers import EarlyReset as _EarlyReset
+from locomm.peer.transfers import Faults, GossipStats, Incoming, Outgoing, balance_lanes, tally_lanes
 from locomm.protocol.messages import (
     FAULT_CODES,
     ErrorCode,
@@ -64,12 +70,10 @@ log = logging.getLogger(__name__)
 ROUND_WINDOW = 4
 """Pushes for rounds more than this far from ours are refused (STALE_ROUND, not a fault)."""
 MAX_SENDERS_PER_ROUND = 64
+SPARE_PAYLOADS = 2
+"""Payload buffers beyond the round's partners (a partner a round ahead, a retry overlapping its old stream)."""
 PULL_RETRY_S = 3.0
 PUSH_ATTEMPTS = 3
-
-
-class _EarlyReset(ConnectionError):
-    """The stream broke before any part went out (a refusal whose answer the reset overtook)."""
 
 
 _PAYLOAD_CODES = {"shape": ErrorCode.BAD_SHAPE, "payload": ErrorCode.BAD_PAYLOAD, "finite": ErrorCode.NOT_FINITE}
@@ -95,6 +99,8 @@ class Gossip:
         parallel_threshold: int = 16 << 20,
         max_wait_s: float = 600.0,
         clock: Clock | None = None,
+        admit: Callable[[str, int], Awaitable[bool]] | None = None,
+        max_payloads: int | None = None,
     ) -> None:
         self.p2p, self.server, self.run_id, self.me, self.codec = p2p, server, run_id, me, codec
         self.clock = clock or server.clock
@@ -114,6 +120,20 @@ class Gossip:
         self.unreachable: dict[int, set[str]] = defaultdict(set)
         self.pull_hints: dict[int, set[str]] = defaultdict(set)
         self.stats = GossipStats()
+        self.admit = admit
+        """(sender, round) -> may it push to us (the node's: one of that round's partners)."""
+        self.fixed_max_payloads = max_payloads
+        self.partners = 1
+        """Partners of the last round we exchanged in (sizes the payload budget unless it is fixed)."""
+
+    @property
+    def max_payloads(self) -> int:
+        """Pushed payloads received at once, at most (their buffers are allocated when the first part comes)."""
+        return self.fixed_max_payloads or self.partners + SPARE_PAYLOADS
+
+    def set_partners(self, n: int) -> None:
+        """This round's number of partners (``exchange`` sets it; a node may say it earlier)."""
+        self.partners = max(1, n)
 
     @property
     def banned(self) -> set[str]:
@@ -124,7 +144,7 @@ class Gossip:
 
     # -- receiving ---------------------------------------------------------------------
 
-    def _open_incoming(self, remote: str, round_idx: int, t: Transfer) -> Incoming:
+    def _open_incoming(self, remote: str, round_idx: int, t: Transfer, pulled: bool = False) -> Incoming:
         if abs(round_idx - self.current_round) > ROUND_WINDOW:
             raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {round_idx}, we are at {self.current_round}")
         if round_idx < self.current_round - RECEIVE_WINDOW:  # applied already: a refusal, the sender moves on
@@ -147,7 +167,9 @@ class Gossip:
                 raise ProtocolViolation(ErrorCode.NOT_READY, "another transfer of this payload is under way")
             inc = None  # an abandoned transfer: start over
         if inc is None:
-            inc = Incoming(t.xfer, self.codec.allocate(t.enc), set(self.codec.parts(t.enc)), self.clock())
+            if not pulled and sum(not i.pulled for i in self.incoming.values()) >= self.max_payloads:
+                raise ProtocolViolation(ErrorCode.NOT_READY, f"receiving {self.max_payloads} payloads already")
+            inc = Incoming(t.xfer, self.codec.allocate(t.enc), set(self.codec.parts(t.enc)), self.clock(), pulled)
             self.incoming[key] = inc
         if inc.claimed & set(t.parts):
             # Only the same transfer can overlap here (another xfer was refused or replaced above): a retry of
@@ -156,10 +178,10 @@ class Gossip:
         inc.claimed |= set(t.parts)
         return inc
 
-    async def _receive(self, remote: str, round_idx: int, t: Transfer, link: Link) -> bool:
+    async def _receive(self, remote: str, round_idx: int, t: Transfer, link: Link, pulled: bool = False) -> bool:
         """Read and decode a transfer's parts; True when the payload is now complete (and delivered)."""
         key = (remote, round_idx)
-        inc = self._open_incoming(remote, round_idx, t)
+        inc = self._open_incoming(remote, round_idx, t, pulled)
         link.expect(t.max_bytes(self.codec), t.streams)
         pending: list[tuple[Part, asyncio.Future]] = []
         try:
@@ -203,6 +225,8 @@ class Gossip:
         return True
 
     async def _on_push(self, call: Call) -> None:
+        if self.admit is not None and not await self.admit(call.remote, call.msg.round):
+            raise ProtocolViolation(ErrorCode.UNAUTHORIZED, f"not a partner of round {call.msg.round}")
         t = validate_transfer(call.msg.fields, self.codec, self.max_body_bytes)
         if call.remote in self.mailbox.get(call.msg.round, {}):
             # We hold this payload already (we pulled it while this push was refused or retried): the push
@@ -301,33 +325,11 @@ class Gossip:
 
         lanes = [idx for idx in lanes if idx]
         results = await asyncio.gather(*(lane(k, idx) for k, idx in enumerate(lanes)), return_exceptions=True)
-        delivered: set[int] = set()
-        redundant: set[int] = set()  # streams answered "held already": their bytes delivered nothing new
         sent = sum(b[0] for b in by_lane.values())
         self.stats.bytes_sent += sent
-        outcome: ErrorCode | str = ErrorCode.OK
-        for k, (idx, r) in enumerate(zip(lanes, results)):
-            if isinstance(r, asyncio.CancelledError):
-                raise r
-            if isinstance(r, Unreachable):
-                outcome = "unreachable"
-            elif isinstance(r, _EarlyReset):
-                outcome = "reset" if outcome == ErrorCode.OK else outcome
-            elif isinstance(r, TransferCut):
-                outcome = "cut" if outcome == ErrorCode.OK else outcome
-            elif isinstance(r, BaseException):
-                log.info("push to %s failed: %s: %s", peer[-8:], type(r).__name__, r)
-                outcome = "cut" if outcome == ErrorCode.OK else outcome
-            else:
-                code, pull, held = r
-                if code == ErrorCode.OK:
-                    delivered.update(idx)
-                if held:
-                    redundant.add(k)
-                if pull:
-                    self.pull_hints[out.round].add(peer)
-                if code != ErrorCode.OK and outcome == ErrorCode.OK:
-                    outcome = code
+        outcome, delivered, redundant, hinted = tally_lanes(peer, lanes, results)
+        if hinted:
+            self.pull_hints[out.round].add(peer)
         # What went out on streams that did not answer OK, or whose parts the receiver held already.
         self.stats.bytes_undelivered += sum(
             by_lane.get(k, [0])[0] for k, idx in enumerate(lanes) if k in redundant or not set(idx) <= delivered
@@ -352,7 +354,7 @@ class Gossip:
                 return False
             t = validate_transfer(resp, self.codec, self.max_body_bytes)
             self.stats.pulls += 1
-            return await self._receive(peer, round_idx, t, link)
+            return await self._receive(peer, round_idx, t, link, pulled=True)
         except ProtocolViolation as v:
             if v.code in FAULT_CODES:
                 self.faults.record(peer, f"pulled payload: {v.message}")
@@ -375,6 +377,7 @@ class Gossip:
         ``eta(peer)`` is the time (in ``self.clock``'s terms) by which the partner's payload should have arrived.
         """
         peers = [p for p in peers if p not in self.banned and p != self.me]
+        self.set_partners(len(peers))
         if not peers:
             return {}
         out = self.outgoing[round_idx] = Outgoing(round_idx, payload, self.codec, self.server, peers)

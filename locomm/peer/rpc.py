@@ -24,7 +24,10 @@ size at the floor rate ``min_rate_mbit`` (plus ``request_timeout_s`` of slack), 
 when, over any ``rate_window_s`` of waiting on the wire, it moved less than the
 floor: a sender trickling 1 byte/s into a 1 GB declaration is cut off after one
 window, not after 800 s. With S parallel streams each stream is held to 1/S of
-the floor. Open streams per remote peer are capped (``max_streams_per_peer``).
+the floor. Open streams are capped per remote peer (``max_streams_per_peer``) and in total
+(``max_inbound_streams``: peer ids are free, so the total is what bounds the buffered headers); a stream over
+either cap is answered ``NOT_READY`` (not a fault) before its header is read, and only a little of what it
+sends is drained.
 
 ``clock`` (of a ``Link``, the ``RpcServer``, ``open_link``) is the one source of "now" for the deadlines and
 meters; the daemon's is ``time.monotonic``. The waits are asyncio timeouts on the loop's clock, so tests on a
@@ -45,6 +48,7 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
+from locomm.peer.meter import Clock, Meter
 from locomm.protocol.messages import (
     FAULT_CODES,
     HEADER_LEN,
@@ -64,41 +68,10 @@ from locomm.protocol.timing import Limits
 log = logging.getLogger(__name__)
 IO_CHUNK = 1 << 18
 """Bytes per read/write call: small enough for progress and stall checks, large enough to be cheap."""
-Clock = Callable[[], float]
-"""A source of "now" in seconds (``time.monotonic``; a virtual-time loop's ``time`` in tests)."""
 
 
 class TransferCut(Exception):
     """A transfer stalled, ran past its deadline, or fell below the floor rate (not a fault)."""
-
-
-@dataclass
-class Meter:
-    """Progress of one stream, for the live display, ETAs and the upload-rate estimate."""
-
-    peer: str
-    direction: str  # "send" | "recv"
-    total: int = 0
-    done: int = 0
-    t0: float = field(default_factory=time.monotonic)  # a Link resets both from its clock
-    last: float = field(default_factory=time.monotonic)
-
-    @property
-    def rate_Bps(self) -> float:
-        dt = self.last - self.t0
-        return self.done / dt if dt > 0 else 0.0
-
-    def view(self) -> dict[str, Any]:
-        rate = self.rate_Bps
-        left = max(0, self.total - self.done)
-        return {
-            "peer": self.peer[-8:],
-            "direction": self.direction,
-            "done": self.done,
-            "total": self.total,
-            "rate_bps": rate,
-            "eta_s": left / rate if rate > 0 else None,
-        }
 
 
 class Link:
@@ -314,6 +287,8 @@ class RpcServer:
         self.is_banned = is_banned
         self.on_fault = on_fault
         self.open_streams: dict[str, int] = defaultdict(int)
+        self.inbound = 0
+        """Streams admitted past the caps and not yet closed (refused ones are not counted)."""
         self.meters: list[Meter] = []
         self.stats = RpcStats()
 
@@ -336,7 +311,12 @@ class RpcServer:
         meter = Meter(remote, "recv")
         link = Link(reader, writer, self.limits, meter, clock=self.clock)
         call: Call | None = None
+        if self.open_streams.get(remote, 0) >= self.limits.max_streams_per_peer:
+            return await self._refuse(service, remote, link, "too many open streams from this peer")
+        if self.inbound >= self.limits.max_inbound_streams:
+            return await self._refuse(service, remote, link, "too many open streams")
         self.open_streams[remote] += 1
+        self.inbound += 1
         self.meters.append(meter)
         try:
             code, message = ErrorCode.OK, ""
@@ -346,10 +326,6 @@ class RpcServer:
                     with contextlib.suppress(ProtocolViolation, TransferCut, ConnectionError):
                         await link.read_header()
                     raise ProtocolViolation(ErrorCode.BANNED, "banned")
-                if self.open_streams[remote] > self.limits.max_streams_per_peer:
-                    with contextlib.suppress(ProtocolViolation, TransferCut, ConnectionError):
-                        await link.read_header()
-                    raise ProtocolViolation(ErrorCode.NOT_READY, "too many open streams from this peer")
                 header = await link.read_header()
                 msg = validate_header(
                     header, run_id=self.run_id, expected=None, max_body_bytes=1 << 62, types=tuple(service.handlers)
@@ -385,6 +361,7 @@ class RpcServer:
             if code != ErrorCode.OK:
                 await link.discard(DRAIN_BYTES, DRAIN_S)
         finally:
+            self.inbound -= 1
             self.open_streams[remote] -= 1
             if self.open_streams[remote] <= 0:
                 del self.open_streams[remote]
@@ -392,9 +369,22 @@ class RpcServer:
                 self.meters.remove(meter)
             writer.close()
 
+    async def _refuse(self, service: Service, remote: str, link: Link, why: str) -> None:
+        """A stream over a cap: NOT_READY at once (no header buffered), then a little of it drained, so the
+        answer is not lost to the reset of closing with unread bytes."""
+        self.stats.errors_answered[ErrorCode.NOT_READY.name] += 1
+        log.debug("%s from %s refused: %s", service.name, remote[-8:], why)
+        try:
+            with contextlib.suppress(Exception):
+                await link.write_header(response_header(ErrorCode.NOT_READY, why))
+            await link.discard(REFUSED_DRAIN_BYTES, DRAIN_S)
+        finally:
+            link.writer.close()
+
 
 DRAIN_BYTES = 8 << 20
 DRAIN_S = 1.0
+REFUSED_DRAIN_BYTES = 1 << 16
 
 
 # ------------------------------------------------------------------------------ client

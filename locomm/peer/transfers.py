@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from locomm.compression.payload import Part, PayloadCodec
-from locomm.peer.rpc import RpcServer
+from locomm.peer.rpc import RpcServer, TransferCut, Unreachable
+from locomm.protocol.messages import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +90,55 @@ class Incoming:
     expected: set[Part]
     last_progress: float
     """When a byte of it last arrived, in the Gossip's clock."""
+    pulled: bool = False
+    """A pull we started (not counted against the budget of pushed payloads)."""
     claimed: set[Part] = field(default_factory=set)
     done: set[Part] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
         return self.done == self.expected
+
+
+class EarlyReset(ConnectionError):
+    """The stream broke before any part went out (a refusal whose answer the reset overtook)."""
+
+
+def tally_lanes(
+    peer: str, lanes: list[list[int]], results: list[Any]
+) -> tuple[ErrorCode | str, set[int], set[int], bool]:
+    """One push attempt's outcome from its streams' results (``(code, pull, held)`` or an exception).
+
+    Returns the outcome (the first refusal, or "unreachable" / "reset" / "cut"), the parts answered OK, the
+    streams answered "held already" (their bytes delivered nothing new), and whether the partner asked us to
+    let it pull.
+    """
+    delivered: set[int] = set()
+    redundant: set[int] = set()
+    hinted = False
+    outcome: ErrorCode | str = ErrorCode.OK
+    for k, (idx, r) in enumerate(zip(lanes, results)):
+        if isinstance(r, asyncio.CancelledError):
+            raise r
+        if isinstance(r, Unreachable):
+            outcome = "unreachable"
+        elif isinstance(r, EarlyReset):
+            outcome = "reset" if outcome == ErrorCode.OK else outcome
+        elif isinstance(r, TransferCut):
+            outcome = "cut" if outcome == ErrorCode.OK else outcome
+        elif isinstance(r, BaseException):
+            log.info("push to %s failed: %s: %s", peer[-8:], type(r).__name__, r)
+            outcome = "cut" if outcome == ErrorCode.OK else outcome
+        else:
+            code, pull, held = r
+            if code == ErrorCode.OK:
+                delivered.update(idx)
+            if held:
+                redundant.add(k)
+            hinted |= bool(pull)
+            if code != ErrorCode.OK and outcome == ErrorCode.OK:
+                outcome = code
+    return outcome, delivered, redundant, hinted
 
 
 def balance_lanes(sizes: list[tuple[int, int]], n: int) -> list[list[int]]:

@@ -58,6 +58,8 @@ class Limits:
     """Over any window this long a transfer must move ``min_rate_Bps * rate_window_s`` bytes."""
     max_streams_per_peer: int = 16
     """Open streams one remote peer may hold at once."""
+    max_inbound_streams: int = 256
+    """Open inbound streams a peer serves at once, from everyone together (peer ids are free)."""
     max_wait_s: float = 600.0
     """The most a worker waits for a partner's payload, whatever the partner's ETA says."""
 
@@ -70,6 +72,7 @@ class Limits:
             min_rate_Bps=cfg.min_rate_mbit * 1e6 / 8,
             rate_window_s=cfg.rate_window_s,
             max_streams_per_peer=cfg.max_streams_per_peer,
+            max_inbound_streams=cfg.max_inbound_streams,
             max_wait_s=cfg.max_wait_s,
         )
 
@@ -85,6 +88,7 @@ class Limits:
             min_rate_Bps=0.0,
             rate_window_s=inf,
             max_streams_per_peer=2**31 - 1,
+            max_inbound_streams=2**31 - 1,
             max_wait_s=inf,
         )
 

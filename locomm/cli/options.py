@@ -9,13 +9,36 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
 from locomm.config import MODEL_PRESETS, ConfigError, RunSpec
 
 PRESETS = click.Choice(sorted(MODEL_PRESETS))
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def swarm_key_option(f: F) -> F:
+    """``--swarm-key FILE``: the key of a closed swarm (join, swarm and status share it)."""
+    return click.option(
+        "--swarm-key",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Closed swarm: a file of >= 32 random bytes (head -c 32 /dev/urandom > swarm.key) shared by its "
+        "peers, or a list of allowed peer ids, one a line. Records without it are refused.",
+    )(f)
+
+
+def check_swarm_key(path: Path | None) -> Path | None:
+    """The absolute path of a usable --swarm-key file (ConfigError when it is not one), or None."""
+    if path is None:
+        return None
+    from locomm.peer.records import SwarmKey  # noqa: PLC0415 - imports hivemind
+
+    SwarmKey.load(path)
+    return path.resolve()
 
 
 def load_spec(config: str | None, preset: str | None) -> RunSpec:

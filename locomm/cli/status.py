@@ -1,4 +1,9 @@
-"""`locomm-peer status`: read the run spec and heartbeats from the DHT and print the swarm."""
+"""`locomm-peer status`: read the run spec and heartbeats from the DHT and print the swarm.
+
+Every record is checked as a peer checks it (``peer/records.py``): the spec is the one the peers named in
+--initial-peers signed, and only heartbeats whose signature (and, with --swarm-key, admission) verifies
+are listed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -14,21 +20,40 @@ from rich.table import Table
 STALE_AFTER_S = 15.0
 
 
-async def snapshot(initial_peers: list[str]) -> dict[str, Any]:
+async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> dict[str, Any]:
     from hivemind.dht import DHTNode  # noqa: PLC0415
     from hivemind.p2p import P2P  # noqa: PLC0415
     from hivemind.utils import get_dht_time  # noqa: PLC0415
 
-    from locomm.peer.swarm import fetch_spec, read_heartbeats  # noqa: PLC0415
+    from locomm.config import RunSpec  # noqa: PLC0415
+    from locomm.peer.records import SwarmKey, SwarmValidator  # noqa: PLC0415
+    from locomm.peer.swarm import fetch_spec, peer_ids_of, read_heartbeats  # noqa: PLC0415
 
+    trusted = peer_ids_of(initial_peers)
+    if not trusted:
+        return {"error": "--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>"}
+    key = SwarmKey.load(swarm_key) if swarm_key is not None else None
+    validator = SwarmValidator(swarm_key=key)  # a reader: checks every record, signs none
+    for peer in trusted:
+        validator.trust(peer)
     p2p = await P2P.create(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
-        dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True)
+        dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True, record_validator=validator)
         try:
-            spec = await fetch_spec(dht)
+            spec = None
+            for _ in range(6):  # a fresh client's first lookups can miss
+                specs = [await fetch_spec(dht, peer) for peer in trusted]
+                spec = next((s for s in specs if s is not None), None)
+                if spec is not None:
+                    break
+                await asyncio.sleep(0.5)
             if spec is None:
-                return {"error": "no locomm run spec in this DHT"}
+                what = "that verifies with this --swarm-key" if key is not None else "signed by the --initial-peers"
+                return {"error": f"no locomm run spec {what} in this DHT"}
+            if spec["closed"] and key is None:
+                return {"error": "this swarm is closed: pass --swarm-key"}
             run_id = spec["hash"][:16]
+            validator.set_run(run_id, RunSpec.from_toml(spec["toml"]).network.heartbeat_ttl_s)
             beats = await read_heartbeats(dht, run_id)
             now = get_dht_time()
             peers = []
@@ -38,6 +63,7 @@ async def snapshot(initial_peers: list[str]) -> dict[str, Any]:
                         "peer": b.peer,
                         "round": b.round,
                         "join_round": b.join_round,
+                        "admitted": b.admitted,
                         "step": b.step,
                         "loss": b.loss,
                         "val_loss": b.val_loss,
@@ -54,7 +80,13 @@ async def snapshot(initial_peers: list[str]) -> dict[str, Any]:
                         ),
                     }
                 )
-            return {"run": run_id, "spec_hash": spec["hash"], "protocol_version": spec["version"], "peers": peers}
+            return {
+                "run": run_id,
+                "spec_hash": spec["hash"],
+                "protocol_version": spec["version"],
+                "closed": spec["closed"],
+                "peers": peers,
+            }
         finally:
             await dht.shutdown()
     finally:
@@ -114,12 +146,12 @@ def _f(x: Any, fmt: str = "{:.3f}") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) else "-"
 
 
-def show_status(initial_peers: list[str], *, watch: bool, as_json: bool) -> None:
+def show_status(initial_peers: list[str], *, watch: bool, as_json: bool, swarm_key: Path | None = None) -> None:
     console = Console()
     try:
         while True:
             try:
-                snap = asyncio.run(asyncio.wait_for(snapshot(initial_peers), 60))
+                snap = asyncio.run(asyncio.wait_for(snapshot(initial_peers, swarm_key), 60))
             except Exception as e:  # unreachable swarm, bad multiaddr: one line, not a traceback
                 snap = {"error": f"cannot read the swarm: {type(e).__name__}: {e}"}
             if "error" in snap:

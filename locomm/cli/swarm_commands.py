@@ -13,7 +13,16 @@ from pathlib import Path
 
 import click
 
-from locomm.cli.options import PRESETS, emit_json, fail, load_spec, parse_pipeline, parse_shard
+from locomm.cli.options import (
+    PRESETS,
+    check_swarm_key,
+    emit_json,
+    fail,
+    load_spec,
+    parse_pipeline,
+    parse_shard,
+    swarm_key_option,
+)
 from locomm.config import ConfigError
 
 
@@ -42,7 +51,12 @@ from locomm.config import ConfigError
     help="Where p2pd listens; /ip4/0.0.0.0/tcp/31337 to accept peers from other machines.",
 )
 @click.option("--announce-maddrs", multiple=True, help="Addresses others should dial (behind NAT/port forward).")
-@click.option("--identity", type=click.Path(dir_okay=False, path_type=Path), help="Private key file: a stable peer id.")
+@click.option(
+    "--identity",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Private key file (RSA, created when missing): a stable peer id; it signs this peer's DHT records.",
+)
+@swarm_key_option
 @click.option("--device", default=lambda: os.environ.get("LOCOMM_DEVICE", "auto"), show_default="auto")
 @click.option(
     "--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), help="Checkpoint here and resume from it."
@@ -86,6 +100,7 @@ def join(
     host_maddrs: tuple[str, ...],
     announce_maddrs: tuple[str, ...],
     identity: Path | None,
+    swarm_key: Path | None,
     device: str,
     checkpoint_dir: Path | None,
     checkpoint_every: int,
@@ -125,6 +140,7 @@ def join(
             raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
         if checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every: must be >= 1, got {checkpoint_every}")
+        swarm_key = check_swarm_key(swarm_key)
     except ConfigError as e:
         fail(str(e))
     from locomm.cli.daemon import run_node  # noqa: PLC0415 - imports torch and hivemind
@@ -136,6 +152,7 @@ def join(
         host_maddrs=host_maddrs,
         announce_maddrs=announce_maddrs,
         identity=identity,
+        swarm_key=swarm_key,
         device=device,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
@@ -187,6 +204,7 @@ def join(
 @click.option("--no-subspace", is_flag=True, help="With --pipeline: send activations uncompressed (comparison).")
 @click.option("--kill-at-step", type=int, hidden=True, help="With --pipeline: SIGKILL a stage-1 replica here.")
 @click.option("--join-auto-at-step", type=int, hidden=True, help="With --pipeline: start a --stage auto joiner.")
+@swarm_key_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
 def swarm(
     peers: int,
@@ -201,9 +219,15 @@ def swarm(
     no_subspace: bool,
     kill_at_step: int | None,
     join_auto_at_step: int | None,
+    swarm_key: Path | None,
     as_json: bool,
 ) -> None:
-    """Start a local swarm of real peers on loopback and train it."""
+    """Start a local swarm of real peers on loopback and train it (a closed one with --swarm-key)."""
+    try:
+        key = check_swarm_key(swarm_key)
+    except ConfigError as e:
+        fail(str(e))
+    peer_args = ("--swarm-key", str(key)) if key is not None else ()
     if pipeline_shape is not None:
         try:
             stages, replicas = parse_pipeline(pipeline_shape)
@@ -225,6 +249,7 @@ def swarm(
             keep=keep,
             kill_at_step=kill_at_step,
             join_auto_at_step=join_auto_at_step,
+            peer_args=peer_args,
         )
         if as_json:
             emit_json(summary)
@@ -244,7 +269,7 @@ def swarm(
         fail(str(e))
     from locomm.cli.local_swarm import run_swarm  # noqa: PLC0415
 
-    summary = run_swarm(spec, peers=peers, rounds=rounds, quiet=as_json, plot=plot, keep=keep)
+    summary = run_swarm(spec, peers=peers, rounds=rounds, quiet=as_json, plot=plot, keep=keep, peer_args=peer_args)
     if as_json:
         emit_json(summary)
     if summary["failed_peers"]:
@@ -252,11 +277,21 @@ def swarm(
 
 
 @click.command()
-@click.option("--initial-peers", multiple=True, required=True, help="Multiaddr of any peer in the swarm.")
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    required=True,
+    help="Multiaddr of a peer in the swarm, ending in /p2p/<peer id> (the spec that peer signed is read).",
+)
+@swarm_key_option
 @click.option("--watch", is_flag=True, help="Refresh every 2 seconds until Ctrl-C.")
 @click.option("--json", "as_json", is_flag=True, help="Print the swarm as one JSON object.")
-def status(initial_peers: tuple[str, ...], watch: bool, as_json: bool) -> None:
-    """Show a running swarm from its DHT records: peers, rounds, loss, throughput, traffic."""
+def status(initial_peers: tuple[str, ...], swarm_key: Path | None, watch: bool, as_json: bool) -> None:
+    """Show a running swarm from its signed DHT records: peers, rounds, loss, throughput, traffic."""
+    try:
+        key = check_swarm_key(swarm_key)
+    except ConfigError as e:
+        fail(str(e))
     from locomm.cli.status import show_status  # noqa: PLC0415
 
-    show_status(list(initial_peers), watch=watch, as_json=as_json)
+    show_status(list(initial_peers), watch=watch, as_json=as_json, swarm_key=key)

@@ -5,7 +5,9 @@ Each a frozen, keyword-only dataclass with a docstring per field, validated at c
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from locomm.config.base import ConfigError, check, choice, fraction, positive
@@ -82,6 +84,10 @@ class ModelConfig:
 
 # ---------------------------------------------------------------------------- data
 
+BUILTIN_CORPORA = ("stdlib",)
+"""Corpora every machine has (no path, no download)."""
+_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?(:[A-Za-z0-9_.-]{1,64})?$")
+
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
@@ -106,6 +112,24 @@ class DataConfig:
         choice(self, "bin_dtype", ("uint16", "uint32"))
         positive(self, "seq_len", "batch_size", "max_corpus_mb")
         check(0 < self.val_percent < 100, "val_percent", f"must be in (0, 100), got {self.val_percent}")
+
+    def check_from_swarm(self) -> None:
+        """Raise ConfigError unless a spec taken from the swarm (not the user's own --config) may name this
+        corpus: a built-in one or a Hugging Face dataset id, never a path on the joiner's disk (a forged
+        spec must not make a joiner train on, and gossip, its owner's private files)."""
+        c = self.corpus
+        if c in BUILTIN_CORPORA:
+            return
+        name = c[3:] if c.startswith("hf:") else None
+        if name is not None and _HF_ID.match(name) and ".." not in name:
+            repo = name.split(":", 1)[0]
+            if not Path(repo).expanduser().exists():  # datasets would load a local folder of that name
+                return
+        raise ConfigError(
+            f"data.corpus: the swarm's spec names {c!r}; a spec taken from the swarm may name only "
+            f"{', '.join(map(repr, BUILTIN_CORPORA))} or a Hugging Face dataset id 'hf:NAME'. To train on "
+            "local files, pass --config with a run spec that names them (every peer needs the same spec)"
+        )
 
 
 # ----------------------------------------------------------------------- optimizer

@@ -167,6 +167,17 @@ def _load_bin(path: Path, cfg: DataConfig) -> TokenSplits:
     return TokenSplits(train=tokens[:cut], val=tokens[cut:], description=f"{path} ({len(tokens)} tokens)")
 
 
+def _no_remote_code(version: str) -> dict[str, bool]:
+    """``trust_remote_code=False`` for ``datasets.load_dataset``: never run a dataset's loading script (a spec
+    from the swarm may name any dataset id). datasets 4 runs no scripts at all, and logs an error when the
+    argument is passed, so it gets nothing there."""
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        major = 0
+    return {} if major >= 4 else {"trust_remote_code": False}
+
+
 def _load_hf(spec: str, cfg: DataConfig) -> TokenSplits:
     try:
         import datasets  # noqa: PLC0415 - optional dependency
@@ -174,7 +185,7 @@ def _load_hf(spec: str, cfg: DataConfig) -> TokenSplits:
         raise CorpusError("corpus 'hf:...' needs the optional 'datasets' package: pip install 'locomm[hf]'") from None
     name, _, subset = spec.partition(":")
     try:
-        ds = datasets.load_dataset(name, subset or None, split="train")
+        ds = datasets.load_dataset(name, subset or None, split="train", **_no_remote_code(datasets.__version__))
     except Exception as e:  # network, missing dataset: a clear message, not a traceback
         raise CorpusError(f"cannot load Hugging Face dataset {spec!r}: {e}") from None
     col = "text" if "text" in ds.column_names else ds.column_names[0]

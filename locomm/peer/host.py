@@ -23,7 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hivemind.dht import DHTNode
+from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
@@ -40,10 +44,11 @@ from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.gossip import Faults, Gossip
 from locomm.peer.metrics import EventLog, Metrics
+from locomm.peer.records import SPEC_TTL_S, SwarmKey, SwarmValidator, heartbeat_ttl, load_identity
 from locomm.peer.rpc import RpcServer, Service
 from locomm.peer.state import fetch_state
-from locomm.peer.swarm import fetch_spec, publish_spec, read_heartbeats, store_heartbeat
-from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat
+from locomm.peer.swarm import fetch_spec, peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
+from locomm.protocol.membership import Heartbeat
 from locomm.protocol.timing import Limits
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,9 @@ class NodeOptions:
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
     identity: Path | None = None
+    """The libp2p identity file (RSA; created when missing); None: a fresh one in a private temp folder."""
+    swarm_key: Path | None = None
+    """A closed swarm's key file (>= 32 random bytes, or a list of allowed peer ids); None: an open swarm."""
     device: str = "auto"
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 5
@@ -109,6 +117,15 @@ class Host:
         self._tasks: set[asyncio.Task] = set()
         self._refresh: asyncio.Task | None = None
         self._unknown_read = 0.0
+        self._newest: dict[str, Heartbeat] = {}
+        self._spec_stored = -math.inf
+        self._id_dir: Path | None = None
+        self.swarm_key: SwarmKey | None = None
+        """This swarm's key (``opts.swarm_key`` read), or None in an open swarm."""
+        self.identity: Path
+        """The identity file P2P runs with (its key signs every record this host writes)."""
+        self.validator: SwarmValidator
+        """The DHT's record validator: signs our records, checks everyone's (``peer/records.py``)."""
         self.p2p: P2P
         self.dht: DHTNode
         self.me: str
@@ -130,18 +147,31 @@ class Host:
         await self._tg.__aenter__()
         try:
             initial = list(self.opts.initial_peers) or None
+            self.swarm_key = SwarmKey.load(self.opts.swarm_key) if self.opts.swarm_key else None
+            self.identity = self._identity_path()
             self.p2p = await P2P.create(
                 initial_peers=initial,
                 host_maddrs=list(self.opts.host_maddrs),
                 announce_maddrs=list(self.opts.announce_maddrs) or None,
-                identity_path=str(self.opts.identity) if self.opts.identity else None,
+                identity_path=str(self.identity),
             )
             self.me = self.p2p.peer_id.to_base58()
+            self.validator = SwarmValidator(load_identity(self.identity), swarm_key=self.swarm_key)
+            if self.validator.peer_id != self.me:
+                raise ConfigError(f"the identity {self.identity} is not the key p2pd runs with")
+            for peer in peer_ids_of(self.opts.initial_peers):
+                self.validator.trust(peer)
+            known = not initial or self.opts.spec_from_user  # this run's keys are guarded from the start
+            if known:
+                self.validator.set_run(self.spec.hash()[:16], self.spec.network.heartbeat_ttl_s)
             self.maddrs = await self.p2p.get_visible_maddrs()
-            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial)
+            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial, record_validator=self.validator)
             await self._settle_spec()
             net = self.spec.network
             self.run_id = self.spec.hash()[:16]
+            if not known:
+                self.validator.set_run(self.run_id, net.heartbeat_ttl_s)
+                self._forget_unchecked(peers_key(self.run_id))
             self.limits = Limits.from_network(net)
             self.faults = Faults(net.max_faults_before_ban)
             self.rpc = RpcServer(
@@ -190,6 +220,8 @@ class Host:
         self.pool.shutdown(wait=True)
         self.codec_pool.shutdown(wait=False, cancel_futures=True)
         self.events.close()
+        if self._id_dir is not None:
+            shutil.rmtree(self._id_dir, ignore_errors=True)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], *, background: bool = False) -> asyncio.Task:
         """Start a task the host stops and awaits on exit.
@@ -207,18 +239,50 @@ class Host:
 
     # -- the spec ----------------------------------------------------------------------
 
+    def _identity_path(self) -> Path:
+        """The user's --identity, else a fresh one in a private (0700) temp folder removed at exit: P2P always
+        runs with a key this host holds, since that key signs every record it writes."""
+        if self.opts.identity is not None:
+            if self.opts.identity.exists():
+                load_identity(self.opts.identity)  # an unusable key fails here, before p2pd starts
+            return self.opts.identity
+        self._id_dir = Path(tempfile.mkdtemp(prefix="locomm-id-"))  # mkdtemp: mode 0700
+        return self._id_dir / "identity.key"  # P2P.create generates it (and skips the "is it taken" check)
+
+    def _forget_unchecked(self, key: str) -> None:
+        """Drop what this node stored or cached for ``key`` before its validator guarded it (a joiner learns
+        its run from the swarm after its DHT node is up); it is read again, checked, from the others."""
+        key_id = DHTID.generate(source=key)
+        for store in (self.dht.protocol.storage, self.dht.protocol.cache):
+            with contextlib.suppress(Exception):
+                del store[key_id]
+
     async def _settle_spec(self) -> None:
+        closed = self.swarm_key is not None
         if not self.opts.initial_peers:
-            await publish_spec(self.dht, self.spec.hash(), self.spec.to_toml())
+            await self.publish_spec()
             return
-        remote = None
-        for _ in range(20):
-            remote = await fetch_spec(self.dht)
-            if remote is not None:
+        trusted = peer_ids_of(self.opts.initial_peers)
+        if not trusted:
+            raise SpecMismatch("--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>")
+        found: dict[str, dict[str, Any]] = {}
+        for attempt in range(20):
+            for peer, spec in zip(trusted, await asyncio.gather(*(self._fetch_spec(p) for p in trusted))):
+                if spec is not None:
+                    found[peer] = spec
+            if len(found) == len(trusted) or (found and attempt >= 3):  # an initial peer may be gone
                 break
             await asyncio.sleep(0.5)
-        if remote is None:
+        if not found:
+            if closed:
+                raise SpecMismatch("no run spec in the swarm verifies with this --swarm-key (is it the swarm's key?)")
             raise SpecMismatch("no run spec found in the swarm (is --initial-peers right?)")
+        if len({(v["hash"], v["closed"]) for v in found.values()}) > 1:
+            named = ", ".join(f"{p[-8:]}: {v['hash'][:12]}" for p, v in found.items())
+            raise SpecMismatch(f"the peers in --initial-peers publish different run specs ({named}); join one swarm")
+        remote = next(iter(found.values()))
+        if remote["closed"] and not closed:
+            raise SpecMismatch("this swarm is closed: pass --swarm-key")
         if remote["version"] != PROTOCOL_VERSION:
             raise SpecMismatch(
                 f"the swarm speaks protocol {remote['version']}, this peer {PROTOCOL_VERSION}; upgrade locomm"
@@ -231,7 +295,25 @@ class Host:
         spec = RunSpec.from_toml(remote["toml"])
         if spec.hash() != remote["hash"]:
             raise SpecMismatch("the swarm's published spec does not match its own hash")
+        if not self.opts.spec_from_user:
+            spec.data.check_from_swarm()  # the swarm's spec never names a path on this disk
         self.spec = spec
+        await self.publish_spec()
+
+    async def _fetch_spec(self, peer: str) -> dict[str, Any] | None:
+        try:
+            return await fetch_spec(self.dht, peer)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # one unreachable initial peer is not fatal
+            log.debug("spec of %s: %s", peer[-8:], e)
+            return None
+
+    async def publish_spec(self) -> None:
+        """Store (again) the spec this peer runs under its own key, signed; every peer does, every
+        SPEC_TTL_S / 3, so the spec lives as long as any peer does."""
+        self._spec_stored = time.monotonic()
+        await publish_spec(self.dht, self.me, self.spec.hash(), self.spec.to_toml(), closed=self.swarm_key is not None)
 
     # -- services and compute ----------------------------------------------------------
 
@@ -288,7 +370,20 @@ class Host:
     # -- heartbeats --------------------------------------------------------------------
 
     async def read_beats(self) -> list[Heartbeat]:
-        beats = await read_heartbeats(self.dht, self.run_id)
+        """The run's heartbeats (each verified by the validator); a peer's round never moves backwards: an
+        older record of a peer than the newest seen (a replay) is replaced by that newest one."""
+        now = get_dht_time()
+        beats = []
+        for b in await read_heartbeats(self.dht, self.run_id):
+            prev = self._newest.get(b.peer)
+            if prev is not None and (b.round, b.time) < (prev.round, prev.time):
+                if prev.expires < now:
+                    continue
+                b = prev
+            self._newest[b.peer] = b
+            beats.append(b)
+        if len(self._newest) > 4 * len(beats) + 64:
+            self._newest = {p: b for p, b in self._newest.items() if b.expires >= now}
         self.beats = {b.peer: b for b in beats}
         return beats
 
@@ -299,7 +394,7 @@ class Host:
             return
         # The record outlives the membership lag (MEMBER_LAG_ROUNDS rounds), so a peer that died drops out of
         # every peer's member list by its frozen round counter, at the same round, not by a clock.
-        ttl = max(self.spec.network.heartbeat_ttl_s, (MEMBER_LAG_ROUNDS + 2) * beat.round_s)
+        ttl = heartbeat_ttl(beat.round_s, self.spec.network.heartbeat_ttl_s)
         await store_heartbeat(self.dht, self.run_id, self.me, beat.record(), ttl)
 
     def publish_soon(self) -> None:
@@ -314,6 +409,8 @@ class Host:
             try:
                 await self.read_beats()
                 await self.publish()
+                if time.monotonic() - self._spec_stored > SPEC_TTL_S / 3:
+                    await self.publish_spec()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a missed heartbeat is not fatal

@@ -1,11 +1,12 @@
 """The swarm's DHT records: the run spec and one heartbeat per peer (the I/O; the rules are in
-``protocol/membership.py``).
+``protocol/membership.py``, the signatures and checks in ``peer/records.py``).
 
-DHT records (small ones only; tensors never go through the DHT):
+DHT records (small ones only; tensors never go through the DHT), each signed by its writer:
 
-- ``locomm.spec``: {"hash", "toml", "version"}; the first peer stores it, joiners
-  read it and refuse a swarm whose hash or protocol version differs from theirs.
-- ``locomm.<run>.peers``, one subkey per peer id: a heartbeat
+- ``locomm.spec.<peer id>``: {"hash", "toml", "version", "closed"}, the spec that peer runs; every peer
+  stores its own and refreshes it, so the spec lives as long as any peer does. A joiner without
+  --config reads the records of the peers its --initial-peers name (``/p2p/ID``) and nobody else's.
+- ``locomm.<run>.peers``, one subkey per peer id (only that peer may write it): a heartbeat
   (:class:`locomm.protocol.membership.Heartbeat`) that expires after ``heartbeat_ttl_s``, or after
   MEMBER_LAG_ROUNDS + 2 of the peer's rounds when that is longer (membership is decided by the round
   counter, not by expiry). A record with any malformed field is dropped when read.
@@ -20,43 +21,55 @@ from hivemind.dht import DHTNode
 from hivemind.utils import get_dht_time
 
 from locomm import PROTOCOL_VERSION
+from locomm.peer.records import SPEC_TTL_S, peers_key, spec_key
 from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat, members_for_round, pick_stage
 
 __all__ = [
     "MEMBER_LAG_ROUNDS",
-    "SPEC_KEY",
     "Heartbeat",
     "fetch_spec",
     "members_for_round",
+    "peer_ids_of",
     "peers_key",
     "pick_stage",
     "publish_spec",
     "read_heartbeats",
+    "spec_key",
     "store_heartbeat",
 ]
 
 log = logging.getLogger(__name__)
-SPEC_KEY = "locomm.spec"
 
 
-def peers_key(run_id: str) -> str:
-    return f"locomm.{run_id}.peers"
+def peer_ids_of(maddrs: list[str] | tuple[str, ...]) -> list[str]:
+    """The peer ids named by multiaddrs' ``/p2p/ID`` parts, in order, without repeats."""
+    out: list[str] = []
+    for m in maddrs:
+        parts = str(m).split("/")
+        for proto, value in zip(parts, parts[1:]):
+            if proto in ("p2p", "ipfs") and value and value not in out:
+                out.append(value)
+    return out
 
 
-async def publish_spec(dht: DHTNode, spec_hash: str, toml: str, ttl: float = 3600.0) -> None:
-    await dht.store(
-        SPEC_KEY,
-        {"hash": spec_hash, "toml": toml, "version": PROTOCOL_VERSION},
+async def publish_spec(
+    dht: DHTNode, peer: str, spec_hash: str, toml: str, *, closed: bool = False, ttl: float = SPEC_TTL_S
+) -> bool:
+    """Store the spec ``peer`` (this node) runs under its own key (the DHT's validator signs it)."""
+    return await dht.store(
+        spec_key(peer),
+        {"hash": spec_hash, "toml": toml, "version": PROTOCOL_VERSION, "closed": bool(closed)},
         expiration_time=get_dht_time() + ttl,
     )
 
 
-async def fetch_spec(dht: DHTNode) -> dict[str, Any] | None:
-    found = await dht.get(SPEC_KEY, latest=True)
+async def fetch_spec(dht: DHTNode, peer: str) -> dict[str, Any] | None:
+    """The spec record ``peer`` signed (the validator refused any other), or None."""
+    found = await dht.get(spec_key(peer), latest=True)
     if found is None or not isinstance(found.value, dict):
         return None
     v = found.value
-    if not all(k in v for k in ("hash", "toml", "version")):
+    if not all(k in v for k in ("hash", "toml", "version", "closed")):
         return None
     return v
 

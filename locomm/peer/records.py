@@ -1,0 +1,372 @@
+"""Signed, validated DHT records: every record locomm writes carries its writer's signature, and every
+record a node stores or reads is checked by :class:`SwarmValidator` (hivemind's record validator hook).
+
+Notable:
+- The signing key is the peer's libp2p identity (the RSA key of its P2P identity file), so the signer's
+  peer id is derived from the public key in the record (libp2p's rule: a sha2-256 multihash of the
+  protobuf-wrapped DER key): nobody can write a record as another peer without that peer's key.
+- The signature and the public key travel in a trailer appended to the value bytes by ``sign_value``
+  and removed by ``strip_value``. The signature covers (key, subkey, value, expiration, public key),
+  so a record cannot be moved to another key or given a later expiration.
+- What is checked, per key (hivemind hands the validator only DHTID bytes, so the validator knows the
+  keys it guards by their hashes):
+
+  - ``locomm.<run>.peers`` (after :meth:`SwarmValidator.set_run`): dictionary subkey records only (a
+    plain value would hide every heartbeat), the subkey is the signer's own peer id, the value parses
+    as a :class:`~locomm.protocol.membership.Heartbeat`, and the expiration is at most now + 2x the
+    heartbeat's TTL (:func:`heartbeat_ttl`);
+  - ``locomm.spec.<peer id>``: a regular value {hash, toml, version, closed} signed by that peer,
+    expiring at most now + 2 x SPEC_TTL_S. A record at the spec key of a peer this node knows (itself,
+    its initial peers, any peer whose record verified) signed by anyone else is refused;
+  - any other key: not ours (True), except in a closed swarm.
+
+- Closed swarms (:class:`SwarmKey`): a secret of >= 32 bytes adds an HMAC-SHA256 tag to the trailer,
+  and a record without a valid tag is refused whatever its key; or a list of allowed peer ids, and a
+  record whose signer is not listed is refused.
+- ``validate`` runs on every incoming store and on every record another node returns (hivemind drops
+  a whole dictionary when any subkey fails), so a forged record is never stored by an honest node and
+  never read by one. What it cannot do: order two valid records of one peer (a replayed old heartbeat
+  with its original expiration). The host keeps the newest (round, time) per peer for that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import math
+import re
+import time
+from collections import OrderedDict
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils import MSGPackSerializer
+
+from locomm.config import ConfigError
+from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat
+
+__all__ = [
+    "MAX_ROUND_S",
+    "SPEC_TTL_S",
+    "SwarmKey",
+    "SwarmValidator",
+    "heartbeat_ttl",
+    "load_identity",
+    "peer_id_of",
+    "peers_key",
+    "spec_key",
+]
+
+log = logging.getLogger(__name__)
+
+SPEC_TTL_S = 3600.0
+"""Lifetime of a peer's spec record; the host stores it again every SPEC_TTL_S / 3."""
+MAX_ROUND_S = 3600.0
+"""A heartbeat's round time is capped here when it sets the record's TTL (a bound every peer computes alike)."""
+MIN_SWARM_SECRET = 32
+_MAGIC = b"LCR1"
+_MAX_TRAILER = 4096
+_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
+_KNOWN_CAP = 8192
+_PEER_ID_RE = re.compile(r"^(Qm[1-9A-HJ-NP-Za-km-z]{44}|12D3KooW[1-9A-HJ-NP-Za-km-z]{44,48})$")
+
+
+def peers_key(run_id: str) -> str:
+    """The DHT key of a run's heartbeats (one subkey per peer id)."""
+    return f"locomm.{run_id}.peers"
+
+
+def spec_key(peer: str) -> str:
+    """The DHT key of the run spec one peer runs (and signs)."""
+    return f"locomm.spec.{peer}"
+
+
+def heartbeat_ttl(round_s: float, heartbeat_ttl_s: float) -> float:
+    """A heartbeat record's lifetime: it outlives the membership lag (MEMBER_LAG_ROUNDS + 2 rounds), so a
+    peer that died drops out by its frozen round counter, not by a clock; the round time is capped."""
+    r = round_s if math.isfinite(round_s) and round_s > 0 else 0.0
+    return max(heartbeat_ttl_s, (MEMBER_LAG_ROUNDS + 2) * min(r, MAX_ROUND_S))
+
+
+def _key_id(key: str) -> bytes:
+    return DHTID.generate(source=key).to_bytes()
+
+
+@lru_cache(maxsize=4096)
+def _public_key(der: bytes) -> tuple[rsa.RSAPublicKey, str] | None:
+    """The RSA key in a DER SubjectPublicKeyInfo, and the libp2p peer id it makes (None: not an RSA key)."""
+    try:
+        key = serialization.load_der_public_key(der)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(key, rsa.RSAPublicKey) or key.key_size < 2048:
+        return None
+    return key, peer_id_of(der)
+
+
+def peer_id_of(public_der: bytes) -> str:
+    """The base58 libp2p peer id of an RSA public key (DER SubjectPublicKeyInfo), as p2pd derives it."""
+    wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_der).SerializeToString()
+    return PeerID(b"\x12\x20" + hashlib.sha256(wrapped).digest()).to_base58()  # sha2-256 multihash
+
+
+def load_identity(path: str | Path) -> rsa.RSAPrivateKey:
+    """The RSA private key of a libp2p identity file (protobuf PrivateKey, as ``P2P.generate_identity``
+    writes it). Raises ConfigError for another key type or an unreadable file."""
+    try:
+        proto = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
+        if proto.key_type != crypto_pb2.RSA:
+            raise ConfigError(f"--identity {path}: only RSA identities can sign swarm records")
+        key = serialization.load_der_private_key(proto.data, password=None)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bad file is the user's error, said in one line
+        raise ConfigError(f"--identity {path}: not a libp2p identity file ({type(e).__name__})") from None
+    if not isinstance(key, rsa.RSAPrivateKey):
+        raise ConfigError(f"--identity {path}: not an RSA key")
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class SwarmKey:
+    """What admits a record to a closed swarm: a shared secret (an HMAC tag) or a list of allowed peer ids."""
+
+    secret: bytes | None = None
+    allowed: frozenset[str] | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> SwarmKey:
+        """Read ``--swarm-key FILE``: a list of peer ids (one a line, ``#`` comments) or >= 32 random bytes."""
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise ConfigError(f"--swarm-key {path}: {e.strerror or e}") from None
+        return cls.parse(data, str(path))
+
+    @classmethod
+    def parse(cls, data: bytes, name: str = "swarm key") -> SwarmKey:
+        ids = _peer_id_list(data, name)
+        if ids:
+            return cls(allowed=frozenset(ids))
+        if len(data) < MIN_SWARM_SECRET:
+            raise ConfigError(
+                f"--swarm-key {name}: {len(data)} bytes is neither a secret of at least {MIN_SWARM_SECRET} random "
+                "bytes (head -c 32 /dev/urandom > swarm.key) nor a list of peer ids, one a line"
+            )
+        return cls(secret=bytes(data))
+
+    def tag(self, message: bytes) -> bytes:
+        return hmac.new(self.secret, message, hashlib.sha256).digest() if self.secret is not None else b""
+
+    def admits(self, signer: str, message: bytes, tag: bytes) -> bool:
+        if self.allowed is not None:
+            return signer in self.allowed
+        return hmac.compare_digest(self.tag(message), tag)
+
+
+def _peer_id_list(data: bytes, name: str = "swarm key") -> list[str] | None:
+    """The peer ids of a text list (one a line, ``#`` comments), or None when ``data`` is not meant as one
+    (a list with a line that is not a peer id is an error, not a secret)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    lines = [i for i in lines if i]
+    if not lines or not ("#" in text or all(i.startswith(("Qm", "12D3")) for i in lines)):
+        return None
+    out = []
+    for i in lines:
+        try:
+            ok = bool(_PEER_ID_RE.match(i)) and PeerID.from_base58(i).to_base58() == i
+        except Exception:  # noqa: BLE001 - not base58
+            ok = False
+        if not ok:
+            raise ConfigError(f"--swarm-key {name}: {i[:60]!r} is not a peer id (a list names one per line)")
+        out.append(i)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Signed:
+    value: bytes
+    public_der: bytes
+    signature: bytes
+    tag: bytes
+
+
+def _split(value: bytes) -> _Signed | None:
+    """The value and its trailer, or None when there is no well-formed trailer."""
+    if len(value) < 8 or value[-4:] != _MAGIC:
+        return None
+    n = int.from_bytes(value[-8:-4], "big")
+    if not 0 < n <= _MAX_TRAILER or n + 8 > len(value):
+        return None
+    try:
+        fields = msgpack.unpackb(value[-8 - n : -8], raw=False)
+    except Exception:  # noqa: BLE001 - any garbage is just "no trailer"
+        return None
+    if not (isinstance(fields, list) and len(fields) == 3 and all(isinstance(f, bytes) for f in fields)):
+        return None
+    return _Signed(value[: -8 - n], *fields)
+
+
+def _message(record: DHTRecord, value: bytes, public_der: bytes) -> bytes:
+    return msgpack.packb([record.key, record.subkey, value, float(record.expiration_time), public_der])
+
+
+class SwarmValidator(RecordValidatorBase):
+    """Signs this peer's records and checks everyone's (see the module docstring).
+
+    Args:
+        private_key: This peer's identity key (None: a reader that signs nothing, e.g. ``status``).
+        swarm_key: A closed swarm's key; None: an open swarm.
+        clock: DHT time (seconds since the epoch), for the expiration bounds.
+    """
+
+    def __init__(
+        self,
+        private_key: rsa.RSAPrivateKey | None = None,
+        *,
+        swarm_key: SwarmKey | None = None,
+        clock: Any = time.time,
+    ) -> None:
+        self._key = private_key
+        self.swarm_key = swarm_key
+        self.clock = clock
+        self.public_der = b""
+        self.peer_id = ""
+        if private_key is not None:
+            self.public_der = private_key.public_key().public_bytes(
+                serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+            self.peer_id = peer_id_of(self.public_der)
+        self._peers_keys: dict[bytes, float] = {}  # DHTID bytes of a run's peers key -> its heartbeat TTL
+        self._spec_keys: OrderedDict[bytes, str] = OrderedDict()  # DHTID bytes of spec.<id> -> id
+        self.refused = 0
+        """Records refused so far (a counter for logs and tests)."""
+        if self.peer_id:
+            self.trust(self.peer_id)
+
+    @classmethod
+    def from_identity(cls, path: str | Path, *, swarm_key: SwarmKey | None = None) -> SwarmValidator:
+        return cls(load_identity(path), swarm_key=swarm_key)
+
+    @property
+    def closed(self) -> bool:
+        return self.swarm_key is not None
+
+    def set_run(self, run_id: str, heartbeat_ttl_s: float) -> None:
+        """Guard the heartbeats of ``run_id`` from now on."""
+        self._peers_keys[_key_id(peers_key(run_id))] = heartbeat_ttl_s
+
+    def trust(self, peer: str) -> None:
+        """Know ``peer``'s spec key: a record there must be signed by ``peer``."""
+        k = _key_id(spec_key(peer))
+        self._spec_keys[k] = peer
+        self._spec_keys.move_to_end(k)
+        while len(self._spec_keys) > _KNOWN_CAP:
+            self._spec_keys.popitem(last=False)
+
+    # -- hivemind's hooks ---------------------------------------------------------------
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if self._key is None:
+            return record.value
+        msg = _message(record, record.value, self.public_der)
+        sig = self._key.sign(msg, _PSS, hashes.SHA256())
+        tag = self.swarm_key.tag(msg) if self.swarm_key is not None else b""
+        trailer = msgpack.packb([self.public_der, sig, tag])
+        return record.value + trailer + len(trailer).to_bytes(4, "big") + _MAGIC
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        signed = _split(record.value)
+        return record.value if signed is None else signed.value
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            ok = self._validate(record)
+        except Exception as e:  # noqa: BLE001 - a record that breaks a check is a bad record
+            log.debug("record check failed: %s: %s", type(e).__name__, e)
+            ok = False
+        if not ok:
+            self.refused += 1
+        return ok
+
+    @property
+    def priority(self) -> int:
+        return 10  # checked (and stripped) before any validator that reads the value
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
+
+    # -- the checks -----------------------------------------------------------------------
+
+    def _validate(self, record: DHTRecord) -> bool:
+        ttl_s = self._peers_keys.get(record.key)
+        owner = self._spec_keys.get(record.key)
+        signed = _split(record.value)
+        ours = ttl_s is not None or owner is not None
+        if signed is None:
+            return not ours and not self.closed  # an unsigned record of someone else's key, in an open swarm
+        signer = self._verify(record, signed)
+        if signer is None:
+            return False
+        if record.key == _key_id(spec_key(signer)):  # the signer's own spec
+            if not self._spec_ok(record, signed.value):
+                return False
+        elif owner is not None:
+            return False  # another peer's spec key
+        elif ttl_s is not None and not self._heartbeat_ok(record, signed.value, signer, ttl_s):
+            return False
+        self.trust(signer)
+        return True
+
+    def _verify(self, record: DHTRecord, signed: _Signed) -> str | None:
+        """The signer's peer id when the signature (and a closed swarm's admission) holds."""
+        found = _public_key(signed.public_der)
+        if found is None:
+            return None
+        key, signer = found
+        msg = _message(record, signed.value, signed.public_der)
+        try:
+            key.verify(signed.signature, msg, _PSS, hashes.SHA256())
+        except InvalidSignature:
+            return None
+        if self.swarm_key is not None and not self.swarm_key.admits(signer, msg, signed.tag):
+            return None
+        return signer
+
+    def _heartbeat_ok(self, record: DHTRecord, value: bytes, signer: str, ttl_s: float) -> bool:
+        if record.subkey == DHTProtocol.IS_REGULAR_VALUE or msgpack.unpackb(record.subkey) != signer:
+            return False
+        beat = Heartbeat.parse(signer, MSGPackSerializer.loads(value), record.expiration_time)
+        if beat is None:
+            return False
+        return record.expiration_time <= self.clock() + 2 * heartbeat_ttl(beat.round_s, ttl_s)
+
+    def _spec_ok(self, record: DHTRecord, value: bytes) -> bool:
+        if record.subkey != DHTProtocol.IS_REGULAR_VALUE:
+            return False
+        v = MSGPackSerializer.loads(value)
+        if not (
+            isinstance(v, dict)
+            and isinstance(v.get("hash"), str)
+            and isinstance(v.get("toml"), str)
+            and isinstance(v.get("version"), int | str)
+            and isinstance(v.get("closed"), bool)
+        ):
+            return False
+        return record.expiration_time <= self.clock() + 2 * SPEC_TTL_S

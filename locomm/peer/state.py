@@ -1,12 +1,37 @@
-"""State sync: live peers serve their last round's state; a joiner downloads it in verified chunks.
+"""State sync: live peers serve their last round's state; a joiner downloads it so that a liar cannot steer it.
 
 A donor keeps a snapshot of its state at its last round boundary (model weights
-and outer state, fp32) with a manifest: each tensor's name, shape and sha256,
-and a hash over the whole manifest. A joiner asks a few donors for manifests,
-takes the newest state that the most donors hold (donors that hold the same
-state hash are interchangeable), spreads the tensors over those donors, fetches
-in parallel and checks every tensor against the manifest's hash. A donor that
-fails or sends a wrong tensor is dropped and its share goes to another.
+and outer state, fp32) with a manifest: each tensor's name, shape, dtype and
+sha256, and a hash over the whole manifest. :func:`fetch_state` is the joiner:
+
+1. It asks every donor the caller names (up to ``MAX_DONORS``, say 5) for its
+   manifest. Each one is checked against the joiner's *own* layout
+   (:func:`expected_layout` of its model: the exact set of names, each shape,
+   fp32) and its state hash is recomputed, before anything is allocated or
+   downloaded; sizes always come from the joiner's model, never from a donor.
+   A manifest that differs is a fault against its donor, who is dropped.
+2. The joining round is the median of the rounds the valid donors declare
+   (robust to a minority of liars); a donor more than 1 round from it is
+   dropped, and is a fault when more than ``ROUND_FAULT_DISTANCE`` away.
+3. ``majority``: if one state hash is held by a strict majority of the
+   remaining donors (or by at least 2 and by more than any other hash), that
+   state is downloaded, spread over its holders. This is DiLoCo's and
+   SparseLoCo's case: every honest donor holds the same averaged state.
+4. ``median``: otherwise (NoLoCo, GASLoC: gossip leaves every honest peer with
+   its own state, so honest hashes differ) the states of up to
+   ``MEDIAN_DONORS`` remaining donors are downloaded and the joiner takes their
+   coordinate-wise median. With one liar among three, every coordinate of the
+   median lies within the honest donors' range, whatever the liar sent.
+5. Every downloaded tensor is checked: its byte size from the joiner's layout,
+   its sha256 against the manifest, and finiteness. A bad tensor is a fault
+   against its donor, who is dropped: its batch goes to another holder (majority;
+   when every holder lied, the rule is applied again to the donors left) or the
+   median is taken over the rest. With no valid state (or fewer than 2 under the
+   median rule) the answer is None: the caller starts from its own weights (or
+   asks again). The joiner never raises on what a donor sends.
+
+A donor that merely disagrees (a different hash at the right round) is not a
+fault: honest gossip donors always do.
 """
 
 from __future__ import annotations
@@ -14,12 +39,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections import defaultdict
-from collections.abc import Mapping
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-import numpy as np
 import torch
 from hivemind.p2p import P2P
 
@@ -37,10 +63,30 @@ from locomm.protocol.messages import (
 log = logging.getLogger(__name__)
 FETCH_BATCH_BYTES = 32 << 20
 UNAUTHORIZED_RETRIES = 5
+MAX_DONORS = 8
+"""Donors asked for a manifest, at most (the caller passes a few, say 5)."""
+MEDIAN_DONORS = 3
+"""States downloaded under the median rule."""
+ROUND_FAULT_DISTANCE = 2
+"""A donor whose round is further than this from the median is a fault (more than 1 away: only dropped)."""
+Layout = Mapping[str, tuple[int, ...]]
+OnFault = Callable[[str, str], None]
+
+
+class _Lied(Exception):
+    """A donor's answer that our checks refuse (a fault against it), as opposed to its own refusal."""
+
+
+class StateMismatch(ValueError):
+    """A state whose names, shapes or values do not fit this peer's model (the caller keeps its own weights)."""
 
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+def _manifest_hash(manifest: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(repr([(m["name"], list(m["shape"]), m["sha256"]) for m in manifest]).encode()).hexdigest()
 
 
 @dataclass
@@ -53,9 +99,11 @@ class Snapshot:
     @classmethod
     def take(cls, round_idx: int, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
         clean = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
-        manifest = [{"name": k, "shape": list(v.shape), "sha256": _digest(v)} for k, v in sorted(clean.items())]
-        h = hashlib.sha256(repr([(m["name"], m["shape"], m["sha256"]) for m in manifest]).encode()).hexdigest()
-        return cls(round=round_idx, tensors=clean, manifest=manifest, state_hash=h)
+        manifest = [
+            {"name": k, "shape": list(v.shape), "dtype": "float32", "sha256": _digest(v)}
+            for k, v in sorted(clean.items())
+        ]
+        return cls(round=round_idx, tensors=clean, manifest=manifest, state_hash=_manifest_hash(manifest))
 
 
 class StateServer:
@@ -110,94 +158,245 @@ class StateServer:
             await call.link.write_part(memoryview(t.numpy()).cast("B"))
 
 
-async def fetch_state(
-    p2p: P2P, *, run_id: str, me: str, donors: list[str], limits: Limits, max_bytes: int, on_fault: Any = None
-) -> tuple[int, dict[str, torch.Tensor]] | None:
-    """Download the newest state most donors agree on; None when no donor could give it."""
-    handler = f"locomm.{run_id}.state"
-    manifests: dict[str, tuple[int, list[dict[str, Any]]]] = {}
-    holders: dict[str, list[str]] = defaultdict(list)
+# ------------------------------------------------------------------------------ the joiner
 
-    async def ask(peer: str) -> None:
+
+@dataclass(frozen=True)
+class Synced:
+    """A downloaded state that passed every check."""
+
+    round: int
+    """The joining round: the median of the valid donors' declared rounds."""
+    tensors: dict[str, torch.Tensor]
+    """:func:`state_tensors`' layout, fp32, exactly the joiner's expected names and shapes."""
+    donors: tuple[str, ...]
+    """The donors whose tensors made the result."""
+    rule: Literal["majority", "median"]
+    """``majority``: one state most donors hold; ``median``: the coordinate-wise median of several."""
+    faulted: tuple[str, ...]
+    """Donors that sent something wrong (each reported to ``on_fault`` once)."""
+
+
+@dataclass(frozen=True)
+class _Offer:
+    donor: str
+    round: int
+    state_hash: str
+    sha256: dict[str, str]  # name -> digest, names exactly the expected ones
+
+
+def expected_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of a state (``state_tensors`` of the joiner's own model): what every manifest must match."""
+    return {k: tuple(v.shape) for k, v in tensors.items()}
+
+
+def _check_manifest(manifest: list[dict[str, Any]], state_hash: str, expected: Layout) -> dict[str, str]:
+    """Name -> sha256 of a manifest that matches ``expected`` exactly; a ProtocolViolation otherwise."""
+    got = {m["name"]: m for m in manifest}
+    if set(got) != set(expected):
+        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+        raise ProtocolViolation(
+            ErrorCode.UNEXPECTED_TENSOR, f"manifest names differ: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    for name, shape in expected.items():
+        if tuple(got[name]["shape"]) != tuple(shape) or got[name]["dtype"] != "float32":
+            raise ProtocolViolation(
+                ErrorCode.BAD_SHAPE, f"{name}: {got[name]['dtype']}{got[name]['shape']} is not float32{list(shape)}"
+            )
+    if _manifest_hash(sorted(manifest, key=lambda m: m["name"])) != state_hash:
+        raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, "state hash does not match the manifest")
+    return {n: m["sha256"] for n, m in got.items()}
+
+
+def _batches(expected: Layout) -> list[list[str]]:
+    """Names in fetch batches of up to FETCH_BATCH_BYTES (sized by the joiner's own layout)."""
+    out: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(expected):
+        nbytes = 4 * math.prod(expected[name])
+        if out[-1] and (size + nbytes > FETCH_BATCH_BYTES or len(out[-1]) >= MAX_NAMES_PER_REQUEST):
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += nbytes
+    return [b for b in out if b]
+
+
+def _verify(names: list[str], parts: list[bytearray], offer: _Offer, expected: Layout) -> dict[str, torch.Tensor]:
+    """The tensors of one fetched batch, each checked against the manifest's sha256 and for finiteness."""
+    out = {}
+    for name, data in zip(names, parts, strict=True):
+        if hashlib.sha256(data).hexdigest() != offer.sha256[name]:
+            raise _Lied(f"state tensor {name}: hash mismatch")
+        t = torch.frombuffer(data, dtype=torch.float32).reshape(expected[name]) if data else torch.zeros(expected[name])
+        if not bool(torch.isfinite(t).all()):
+            raise _Lied(f"state tensor {name} is not finite")
+        out[name] = t
+    return out
+
+
+def _median(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Coordinate-wise median (the mean of the middle two for an even count): within the middle values' range."""
+    n = len(states)
+    out = {}
+    for name in states[0]:
+        s = torch.stack([st[name] for st in states]).sort(dim=0).values  # (n, *shape)
+        out[name] = s[(n - 1) // 2].clone() if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+    return out
+
+
+def _majority(offers: list[_Offer]) -> str | None:
+    """The state hash held by a strict majority, or by at least 2 donors and more than any other hash."""
+    counts = Counter(o.state_hash for o in offers).most_common()
+    if not counts:
+        return None
+    (top, n), rest = counts[0], counts[1:]
+    if 2 * n > len(offers) or (n >= 2 and all(m < n for _, m in rest)):
+        return top
+    return None
+
+
+async def fetch_state(
+    p2p: P2P,
+    *,
+    run_id: str,
+    me: str,
+    donors: list[str],
+    limits: Limits,
+    expected: Layout,
+    on_fault: OnFault | None = None,
+) -> Synced | None:
+    """Download a state that a minority of lying donors cannot steer (the module docstring has the rules).
+
+    Args:
+        p2p: our P2P instance.
+        run_id: the run's id (the handler is ``locomm.{run_id}.state``).
+        me: our peer id (the sender of every request).
+        donors: the peers to ask (up to ``MAX_DONORS``; 5 is plenty).
+        limits: the deadlines of every request and transfer.
+        expected: name -> shape of the joiner's own state (:func:`expected_layout` of :func:`state_tensors`).
+        on_fault: called ``(donor, reason)`` once per donor that sent something wrong.
+
+    Returns:
+        The state, or None when no valid state could be had (start from your own weights). Never raises on
+        what a donor sends.
+    """
+    handler = f"locomm.{run_id}.state"
+    faulted: list[str] = []
+
+    def fault(donor: str, reason: str) -> None:
+        log.warning("state donor %s: %s", donor[-8:], reason)
+        if donor not in faulted:
+            faulted.append(donor)
+            if on_fault is not None:
+                on_fault(donor, reason)
+
+    async def ask(peer: str) -> _Offer | None:
         for attempt in range(UNAUTHORIZED_RETRIES + 1):
             try:
                 resp, _ = await request(p2p, peer, handler, state_manifest_header(run_id, me), limits)
-                rnd, h, man = validate_manifest(resp)
-                manifests[h] = (rnd, man)
-                holders[h].append(peer)
-                return
             except ProtocolViolation as v:
                 # Our heartbeat may not have reached the donor's view of the DHT yet: ask again shortly.
                 if v.code in (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_READY) and attempt < UNAUTHORIZED_RETRIES:
                     await asyncio.sleep(1.0 + attempt)
                     continue
-                log.info("donor %s gave no manifest: %s", peer[-8:], v)
-                return
+                log.info("donor %s gave no manifest: %s", peer[-8:], v)  # its refusal: not a fault
+                return None
             except (Exception, TimeoutError) as e:  # noqa: BLE001 - a donor that can't answer is skipped
                 log.info("donor %s gave no manifest: %s", peer[-8:], e)
-                return
-
-    await asyncio.gather(*(ask(d) for d in donors))
-    if not manifests:
-        return None
-    best = max(manifests, key=lambda h: (manifests[h][0], len(holders[h])))
-    rnd, manifest = manifests[best]
-    entries = {m["name"]: m for m in manifest}
-    total = sum(4 * int(np.prod(m["shape"])) for m in entries.values())
-    if total > max_bytes:
-        log.warning("refusing a state of %d bytes (limit %d)", total, max_bytes)
-        return None
-    # Batches of names up to FETCH_BATCH_BYTES, spread over the donors holding this state.
-    batches: list[list[str]] = [[]]
-    size = 0
-    for name, m in sorted(entries.items()):
-        nbytes = 4 * int(np.prod(m["shape"]))
-        if batches[-1] and (size + nbytes > FETCH_BATCH_BYTES or len(batches[-1]) >= MAX_NAMES_PER_REQUEST):
-            batches.append([])
-            size = 0
-        batches[-1].append(name)
-        size += nbytes
-    got: dict[str, torch.Tensor] = {}
-    queue: asyncio.Queue[list[str]] = asyncio.Queue()
-    for b in batches:
-        queue.put_nowait(b)
-
-    async def read_body(names: list[str], link: Link, resp: dict[str, Any]) -> list[bytearray]:
-        sizes = resp.get("sizes")
-        want = [4 * int(np.prod(entries[n]["shape"])) for n in names]
-        if sizes != want:
-            raise ProtocolViolation(ErrorCode.BAD_SHAPE, "state answer sizes differ from the manifest")
-        link.expect(sum(want) + 4 * len(want))
-        return [await link.read_part(n) for n in want]
-
-    async def worker(donor: str) -> None:
-        while not queue.empty():
-            names = queue.get_nowait()
+                return None
             try:
-                _, parts = await request(
-                    p2p,
-                    donor,
-                    handler,
-                    state_fetch_header(run_id, me, names, best),
-                    limits,
-                    body=lambda link, resp, names=names: read_body(names, link, resp),
-                )
-                for name, data in zip(names, parts):
-                    m = entries[name]
-                    if hashlib.sha256(data).hexdigest() != m["sha256"]:
-                        if on_fault is not None:
-                            on_fault(donor, f"state tensor {name}: hash mismatch")
-                        raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, f"{name}: hash mismatch")
-                    got[name] = torch.frombuffer(data, dtype=torch.float32).reshape(m["shape"])
-            except (Exception, TimeoutError) as e:  # noqa: BLE001 - drop this donor, give its batch back
-                log.warning("donor %s failed: %s", donor[-8:], e)
-                queue.put_nowait(names)
-                return
-
-    await asyncio.gather(*(worker(d) for d in holders[best]))
-    if set(got) != set(entries):
+                rnd, h, man = validate_manifest(resp)
+                return _Offer(peer, rnd, h, _check_manifest(man, h, expected))
+            except ProtocolViolation as v:
+                fault(peer, f"manifest refused: {v}")
+                return None
         return None
-    return rnd, got
+
+    asked = list(dict.fromkeys(d for d in donors if d != me))[:MAX_DONORS]
+    offers = [o for o in await asyncio.gather(*(ask(d) for d in asked)) if o is not None]
+    if not offers:
+        return None
+    joining = statistics.median_low(o.round for o in offers)
+    for o in offers:
+        if abs(o.round - joining) > ROUND_FAULT_DISTANCE:
+            fault(o.donor, f"declares round {o.round}, the donors' median is {joining}")
+    offers = [o for o in offers if abs(o.round - joining) <= 1]
+    batches = _batches(expected)
+
+    async def download(holders: list[_Offer]) -> tuple[dict[str, torch.Tensor], list[str]] | None:
+        """One state from the holders of its hash, batches spread over them; None when they all failed."""
+        got: dict[str, torch.Tensor] = {}
+        used: list[str] = []
+        alive = list(holders)
+        todo = list(batches)
+        while todo and alive:
+            queue, failed = list(todo), []
+
+            async def worker(offer: _Offer, queue: list[list[str]] = queue, failed: list[list[str]] = failed) -> None:
+                while queue:
+                    names = queue.pop()
+                    try:
+                        want = [4 * math.prod(expected[n]) for n in names]
+
+                        async def read_body(
+                            link: Link, resp: dict[str, Any], want: list[int] = want
+                        ) -> list[bytearray]:
+                            if resp.get("sizes") != want:
+                                raise _Lied("answer sizes differ from the layout")
+                            link.expect(sum(want) + 4 * len(want))
+                            return [await link.read_part(n) for n in want]
+
+                        header = state_fetch_header(run_id, me, names, offer.state_hash)
+                        _, parts = await request(p2p, offer.donor, handler, header, limits, body=read_body)
+                        got.update(await asyncio.to_thread(_verify, names, parts, offer, expected))
+                        if offer.donor not in used:
+                            used.append(offer.donor)
+                    except _Lied as e:
+                        fault(offer.donor, str(e))
+                        failed.append(names)
+                        alive.remove(offer)
+                        return
+                    except ProtocolViolation as v:  # the donor's refusal (its state moved on, say): not a fault
+                        log.info("donor %s refused a fetch: %s", offer.donor[-8:], v)
+                        failed.append(names)
+                        alive.remove(offer)
+                        return
+                    except (Exception, TimeoutError) as e:  # noqa: BLE001 - drop this donor, give its batch back
+                        log.warning("donor %s failed: %s", offer.donor[-8:], e)
+                        failed.append(names)
+                        alive.remove(offer)
+                        return
+
+            await asyncio.gather(*(worker(o) for o in list(alive)))
+            todo = failed + queue
+        if todo or set(got) != set(expected):
+            return None
+        return got, used
+
+    while (top := _majority(offers)) is not None:
+        holders = [o for o in offers if o.state_hash == top]
+        res = await download(holders)
+        if res is not None:
+            return Synced(joining, res[0], tuple(res[1]), "majority", tuple(faulted))
+        if not any(o.donor in faulted for o in holders):
+            return None  # slow or moved on, not lying: ask again later rather than trust the rest
+        offers = [o for o in offers if o.donor not in faulted]  # the liars are out: the rule again on the rest
+    # The median rule: states of donors at the median round first.
+    candidates = sorted(offers, key=lambda o: abs(o.round - joining))
+    states: list[dict[str, torch.Tensor]] = []
+    used: list[str] = []
+    while len(states) < MEDIAN_DONORS and candidates:
+        wave, candidates = candidates[: MEDIAN_DONORS - len(states)], candidates[MEDIAN_DONORS - len(states) :]
+        for o, res in zip(wave, await asyncio.gather(*(download([o]) for o in wave)), strict=True):
+            if res is not None:
+                states.append(res[0])
+                used.append(o.donor)
+    if len(states) < 2:
+        log.warning("state sync: %d valid state(s) under the median rule; need 2", len(states))
+        return None
+    tensors = await asyncio.to_thread(_median, states)
+    return Synced(joining, tensors, tuple(used), "median", tuple(faulted))
 
 
 def state_tensors(model: Mapping[str, torch.Tensor], algo: Any) -> dict[str, torch.Tensor]:
@@ -209,7 +408,21 @@ def state_tensors(model: Mapping[str, torch.Tensor], algo: Any) -> dict[str, tor
 
 
 def load_state(tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], algo: Any) -> None:
-    """Copy a downloaded state (:func:`state_tensors`' layout) into the live weights and the outer algorithm."""
+    """Copy a downloaded state (:func:`state_tensors`' layout) into the live weights and the outer algorithm.
+
+    Every name, shape and value is checked before anything is copied (no broadcasting, no partial load):
+    a state that does not fit raises :class:`StateMismatch`, and the weights stay as they were.
+    """
+    want = expected_layout(state_tensors(params, algo))
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise StateMismatch(f"state names differ: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in want.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise StateMismatch(f"{name}: shape {tuple(t.shape)}, this model has {shape}")
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise StateMismatch(f"{name}: not finite floating point values")
     model = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
     outer = {k[len("outer/") :]: v for k, v in tensors.items() if k.startswith("outer/")}
     with torch.no_grad():

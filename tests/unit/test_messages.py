@@ -105,3 +105,74 @@ def test_metrics_are_served():
         assert "locomm_train_loss" in text
     finally:
         m.close()
+
+
+# ---------------------------------------------------------------- state manifests and fetches
+
+SHA = "ab" * 32
+
+
+def manifest(entries=None, **over):
+    m = {
+        "state_hash": "cd" * 32,
+        "round": 3,
+        "manifest": entries if entries is not None else [{"name": "model/w", "shape": [4, 4], "sha256": SHA}],
+    }
+    m.update(over)
+    return m
+
+
+def test_a_manifest_in_bounds_is_accepted_and_normalised():
+    from locomm.protocol.messages import validate_manifest
+
+    rnd, h, entries = validate_manifest(manifest())
+    assert (rnd, h) == (3, "cd" * 32)
+    assert entries == [{"name": "model/w", "shape": [4, 4], "dtype": "float32", "sha256": SHA}]
+
+
+@pytest.mark.parametrize(
+    ("resp", "code"),
+    [
+        (manifest(round=True), ErrorCode.MALFORMED),
+        (manifest(round=-1), ErrorCode.MALFORMED),
+        (manifest(state_hash="short"), ErrorCode.MALFORMED),
+        (manifest(manifest={"model/w": [4]}), ErrorCode.MALFORMED),
+        (manifest([{"name": "", "shape": [4], "sha256": SHA}]), ErrorCode.MALFORMED),
+        (manifest([{"name": "x" * 513, "shape": [4], "sha256": SHA}]), ErrorCode.MALFORMED),
+        (manifest([{"name": "w", "shape": [4], "sha256": "zz" * 32}]), ErrorCode.MALFORMED),
+        (manifest([{"name": "w", "shape": [1] * 9, "sha256": SHA}]), ErrorCode.MALFORMED),
+        (manifest([{"name": "w", "shape": [-1], "sha256": SHA}]), ErrorCode.MALFORMED),
+        (manifest([{"name": "w", "shape": [4.0], "sha256": SHA}]), ErrorCode.MALFORMED),
+        (manifest([{"name": "w", "shape": [4], "dtype": "float16", "sha256": SHA}]), ErrorCode.MALFORMED),
+        (manifest([{"name": "w", "shape": [4], "sha256": SHA}] * 2), ErrorCode.MALFORMED),
+        (manifest([{"name": "w", "shape": [1 << 32, 1 << 32], "sha256": SHA}]), ErrorCode.TOO_LARGE),
+        (manifest([{"name": f"w{i}", "shape": [1 << 32], "sha256": SHA} for i in range(5)]), ErrorCode.TOO_LARGE),
+        (manifest([{"name": f"w{i}", "shape": [1], "sha256": SHA} for i in range(16385)]), ErrorCode.TOO_LARGE),
+    ],
+    ids=lambda x: x.name if isinstance(x, ErrorCode) else "",
+)
+def test_a_manifest_out_of_bounds_is_refused_before_anything_is_sized_from_it(resp, code):
+    from locomm.protocol.messages import validate_manifest
+
+    with pytest.raises(ProtocolViolation) as e:
+        validate_manifest(resp)
+    assert e.value.code == code
+
+
+def test_a_state_fetch_names_known_tensors_once_and_a_sha256():
+    from locomm.protocol.messages import Message, validate_state_fetch
+
+    known = {"model/w": None, "model/b": None}
+
+    def fetch(names, h=SHA):
+        return validate_state_fetch(Message("state_fetch", 0, "me", {"names": names, "state_hash": h}, ()), known)
+
+    assert fetch(["model/w"]) == (["model/w"], SHA)
+    for names in ([], ["model/w", "model/w"], ["model/x"], ["x" * 600], "model/w", [1]):
+        with pytest.raises(ProtocolViolation) as e:
+            fetch(names)
+        assert e.value.code == ErrorCode.UNEXPECTED_TENSOR
+    for h in (None, "cd", "CD" * 32):
+        with pytest.raises(ProtocolViolation) as e:
+            fetch(["model/w"], h)
+        assert e.value.code == ErrorCode.MALFORMED

@@ -1,0 +1,188 @@
+"""State sync against lying donors: real P2P instances on loopback, each donor a real StateServer on an RpcServer.
+
+Every case ends on what the joiner got: the honest state (or a state within the honest donors' range), the
+honest round, and a fault against each liar; never an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+import pytest_asyncio
+import torch
+from hivemind.p2p import P2P
+
+from locomm.peer.rpc import RpcServer
+from locomm.peer.state import Snapshot, StateServer, Synced, expected_layout, fetch_state
+from locomm.protocol.timing import Limits
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="module")]
+DONORS = 4
+RUN = "statesync"
+LIMITS = Limits(request_timeout_s=10.0, stall_timeout_s=5.0)
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def state(seed: int = 0, jitter: float = 0.0) -> dict[str, torch.Tensor]:
+    """A small state in ``state_tensors``' layout; ``jitter`` moves it the way a gossip round would."""
+    g = torch.Generator().manual_seed(0)
+    base = {
+        "model/w": torch.randn(16, 8, generator=g),
+        "model/b": torch.randn(8, generator=g),
+        "outer/phi/w": torch.randn(16, 8, generator=g),
+        "outer/phi/b": torch.randn(8, generator=g),
+    }
+    if not jitter:
+        return base
+    g2 = torch.Generator().manual_seed(seed)
+    return {k: v + jitter * torch.randn(v.shape, generator=g2) for k, v in base.items()}
+
+
+EXPECTED = expected_layout(state())
+
+
+@dataclass
+class Swarm:
+    """Four donors, each a StateServer on an RpcServer over its own P2P, and a joiner bootstrapped to them."""
+
+    joiner: P2P
+    donors: list[str]
+    servers: list[StateServer]
+
+    def serve(self, snaps: list[Snapshot]) -> list[str]:
+        """The first ``len(snaps)`` donors serve ``snaps``; their ids."""
+        for server, snap in zip(self.servers, snaps):
+            server.snapshot = snap
+        return self.donors[: len(snaps)]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def net() -> AsyncIterator[Swarm]:
+    pool = ThreadPoolExecutor(1)
+    peers: list[P2P] = []
+    try:
+        peers += await asyncio.gather(*(P2P.create(host_maddrs=LOOPBACK) for _ in range(DONORS)))
+        servers = [StateServer(RUN) for _ in peers]
+        for p, server in zip(peers, servers):
+            await RpcServer(p, RUN, LIMITS, pool, authorize=None).add(server.service())
+        maddrs = [str(m) for p in peers for m in await p.get_visible_maddrs()]
+        joiner = await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs)
+        peers.append(joiner)
+        yield Swarm(joiner, [p.peer_id.to_base58() for p in peers[:-1]], servers)
+    finally:
+        for p in peers:
+            await p.shutdown()
+        pool.shutdown()
+
+
+async def sync(joiner: P2P, donors: list[str]) -> tuple[Synced | None, list[tuple[str, str]]]:
+    faults: list[tuple[str, str]] = []
+    got = await fetch_state(
+        joiner,
+        run_id=RUN,
+        me=joiner.peer_id.to_base58(),
+        donors=donors,
+        limits=LIMITS,
+        expected=EXPECTED,
+        on_fault=lambda peer, why: faults.append((peer, why)),
+    )
+    return got, faults
+
+
+def assert_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+async def test_a_donor_lying_about_its_round_and_state_neither_wins_nor_sets_the_round(net):
+    """DiLoCo/SparseLoCo: the honest donors hold one state (one hash); a liar declares round 10^9."""
+    honest = state()
+    liar = state(seed=9, jitter=5.0)
+    donors = net.serve([Snapshot.take(1_000_000_000, liar)] + [Snapshot.take(7, honest) for _ in range(3)])
+    got, faults = await sync(net.joiner, donors)
+    assert got is not None and got.rule == "majority" and got.round == 7
+    assert_state(got.tensors, honest)
+    assert donors[0] not in got.donors and set(got.donors) <= set(donors[1:])
+    assert [p for p, _ in faults] == [donors[0]] and got.faulted == (donors[0],)
+    assert "round" in faults[0][1]
+
+
+async def test_gossip_states_the_result_stays_within_the_honest_donors_range(net):
+    """NoLoCo/GASLoC: honest donors differ (no majority hash), so the coordinate-wise median is taken; a liar
+    at the honest round but far away in weights cannot move it outside what the honest donors hold."""
+    honest = [state(seed=s, jitter=0.01) for s in (1, 2, 3)]
+    liar = {k: v + 1000.0 for k, v in state().items()}
+    donors = net.serve([Snapshot.take(5, liar)] + [Snapshot.take(5 + (s == 2), h) for s, h in enumerate(honest)])
+    got, faults = await sync(net.joiner, donors)
+    assert got is not None and got.rule == "median" and got.round == 5
+    assert len(got.donors) == 3 and faults == []  # disagreeing is what honest gossip donors do: not a fault
+    for k in EXPECTED:
+        lo = torch.stack([h[k] for h in honest]).amin(0)
+        hi = torch.stack([h[k] for h in honest]).amax(0)
+        assert bool(((got.tensors[k] >= lo) & (got.tensors[k] <= hi)).all()), k
+
+
+def _missing() -> dict[str, torch.Tensor]:
+    s = state()
+    del s["outer/phi/b"]
+    return s
+
+
+def _wrong_shape() -> dict[str, torch.Tensor]:
+    return {**state(), "model/b": torch.zeros(1)}  # the [1]-shaped tensor copy_ would broadcast
+
+
+def _nan() -> dict[str, torch.Tensor]:
+    s = state()
+    s["model/w"][3, 2] = float("nan")  # the manifest's sha256 is of these very bytes
+    return s
+
+
+@pytest.mark.parametrize("bad", [_missing, _wrong_shape, _nan], ids=["missing", "shape", "nan"])
+async def test_a_bad_manifest_or_tensor_is_refused_and_the_joiner_goes_on(net, bad):
+    """Two liars (a majority by hash) and one honest donor. A missing name or a wrong shape is refused at the
+    manifest, before any download; a NaN tensor (its sha256 consistent) at its download. Either way both liars
+    are faulted and the honest state is loaded; with nobody honest the answer is None (own weights)."""
+    honest = state()
+    donors = net.serve([Snapshot.take(4, bad()), Snapshot.take(4, bad()), Snapshot.take(4, honest)])
+    got, faults = await sync(net.joiner, donors)
+    alone, alone_faults = await sync(net.joiner, donors[:2])
+    assert got is not None and got.round == 4 and got.donors == (donors[2],)
+    assert_state(got.tensors, honest)
+    assert set(got.faulted) == {p for p, _ in faults} == set(donors[:2]) and len(faults) == 2
+    stage = "finite" if bad is _nan else "manifest refused"
+    assert all(stage in why for _, why in faults), faults
+    assert alone is None and {p for p, _ in alone_faults} == set(donors[:2])
+
+
+async def test_a_nan_donor_among_gossip_donors_is_dropped_from_the_median(net):
+    honest = [state(seed=s, jitter=0.01) for s in (1, 2)]
+    donors = net.serve([Snapshot.take(3, _nan())] + [Snapshot.take(3, h) for h in honest])
+    got, faults = await sync(net.joiner, donors)
+    assert got is not None and got.rule == "median" and set(got.donors) == set(donors[1:])
+    assert [p for p, _ in faults] == [donors[0]] and "finite" in faults[0][1]
+    for k in EXPECTED:
+        assert torch.allclose(got.tensors[k], (honest[0][k] + honest[1][k]) / 2), k
+
+
+async def test_a_holder_serving_other_bytes_than_its_manifest_is_dropped_and_its_batch_goes_to_another(
+    net, monkeypatch
+):
+    """A donor that copies the honest manifest (same hash) but serves other bytes fails the per-tensor sha256;
+    the batch it was given is fetched from another holder of that state."""
+    from locomm.peer import state as state_mod
+
+    monkeypatch.setattr(state_mod, "FETCH_BATCH_BYTES", 64)  # one tensor per batch: every holder gets work
+    honest = state()
+    forged = Snapshot.take(6, honest)
+    forged.tensors = {k: v + 1.0 for k, v in forged.tensors.items()}
+    donors = net.serve([forged, Snapshot.take(6, honest), Snapshot.take(6, honest)])
+    got, faults = await sync(net.joiner, donors)
+    assert got is not None and got.rule == "majority" and set(got.donors) <= set(donors[1:])
+    assert_state(got.tensors, honest)
+    assert [p for p, _ in faults] == [donors[0]] and "hash mismatch" in faults[0][1]

@@ -10,6 +10,10 @@ Notable:
   :class:`~locomm.compression.stack.CodecStack` feeds those parts to the next
   codec (usually the lossless exponent coder); used alone, the parts are framed
   raw.
+- ``decode(data, max_numel=N)``: the receiver's own bound on what it expects (from its layout, never
+  from the payload). Every decoder reads its declared shapes through :meth:`Reader.shape` with that
+  bound, so a payload that claims more is refused before anything of its claimed size is allocated;
+  a stack passes the bound to every stage (no stage's part is larger than the tensor it rebuilds).
 - Every payload is sealed by :func:`seal`: a 4-byte magic, a version byte, and
   a trailing CRC-32 over everything before it. :func:`unseal` checks both before
   any parsing, and :class:`Reader` bounds-checks every read, so malformed input
@@ -45,6 +49,11 @@ allocation a hostile payload can cause (1 GiB of fp32)."""
 
 class CodecError(ValueError):
     """A payload is truncated, corrupted, or otherwise cannot be decoded."""
+
+
+class OversizeError(CodecError):
+    """A payload declares more elements than the receiver's bound (``max_numel``): a shape error, refused
+    before anything of the declared size is allocated."""
 
 
 class TensorRole(enum.Enum):
@@ -164,7 +173,9 @@ class Reader:
     def blob(self) -> memoryview:
         return self.take(self.u64())
 
-    def shape(self) -> tuple[int, ...]:
+    def shape(self, max_numel: int | None = None) -> tuple[int, ...]:
+        """A declared shape; :class:`CodecError` if it claims more than ``max_numel`` elements (the receiver's
+        bound) or than :data:`MAX_NUMEL`, before anything is allocated."""
         ndim = self.u8()
         if ndim > MAX_NDIM:
             raise CodecError(f"tensor rank {ndim} exceeds {MAX_NDIM}")
@@ -174,6 +185,7 @@ class Reader:
             numel *= s
         if numel > MAX_NUMEL:
             raise CodecError(f"shape {shape} claims {numel} elements (limit {MAX_NUMEL})")
+        check_numel(numel, max_numel, f"shape {shape}")
         return shape
 
     def array(self, count: int, dtype: np.dtype | type) -> np.ndarray:
@@ -187,6 +199,12 @@ class Reader:
     def expect_end(self) -> None:
         if self.pos != self.end:
             raise CodecError(f"{self.end - self.pos} unexpected trailing bytes")
+
+
+def check_numel(numel: int, max_numel: int | None, what: str) -> None:
+    """Refuse a declared element count above the receiver's bound (None: no bound given)."""
+    if max_numel is not None and numel > max_numel:
+        raise OversizeError(f"{what} claims {numel} elements, the receiver expects at most {max_numel}")
 
 
 def numel_of(shape: Sequence[int]) -> int:
@@ -265,7 +283,9 @@ class Codec(ABC):
 
     @abstractmethod
     def decode(self, data: bytes | bytearray | memoryview, **context: Any) -> torch.Tensor:
-        """Decode a payload made by :meth:`encode`; raises :class:`CodecError` on bad input."""
+        """Decode a payload made by :meth:`encode`; raises :class:`CodecError` on bad input.
+
+        ``max_numel=N`` in ``context`` bounds every tensor the payload declares (module docstring)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -301,18 +321,20 @@ class PartsCodec(Codec):
             w.raw(tensor_bytes(p))
         return seal(self.magic, w.getvalue())
 
-    def decode(self, data: bytes | bytearray | memoryview, **context: Any) -> torch.Tensor:
+    def decode(
+        self, data: bytes | bytearray | memoryview, max_numel: int | None = None, **context: Any
+    ) -> torch.Tensor:
         r = Reader(unseal(self.magic, data))
         meta = r.blob()
         n_parts = r.u8()
         parts = []
         for _ in range(n_parts):
             dt = code_dtype(r.u8())
-            shape = r.shape()
+            shape = r.shape(max_numel)
             nbytes = numel_of(shape) * torch.empty((), dtype=dt).element_size()
             parts.append(tensor_from_bytes(r.take(nbytes), dt, shape))
         r.expect_end()
-        return self.decode_parts(meta, parts, **context)
+        return self.decode_parts(meta, parts, max_numel=max_numel, **context)
 
 
 def check_part(

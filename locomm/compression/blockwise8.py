@@ -63,12 +63,14 @@ class Blockwise8Codec(PartsCodec):
         w.raw(codes.numpy().tobytes())
         return w.getvalue(), [state.absmax.float().contiguous()]
 
-    def decode_parts(self, meta: memoryview, parts: list[torch.Tensor], **context: Any) -> torch.Tensor:
+    def decode_parts(
+        self, meta: memoryview, parts: list[torch.Tensor], max_numel: int | None = None, **context: Any
+    ) -> torch.Tensor:
         r = Reader(meta)
         dtype = code_dtype(r.u8())
         if not dtype.is_floating_point:
             raise CodecError(f"blockwise8 payload claims non-float dtype {dtype}")
-        shape = r.shape()
+        shape = r.shape(max_numel)
         blocksize = r.u32()
         if blocksize not in BLOCKSIZES:
             raise CodecError(f"bad blocksize {blocksize}")

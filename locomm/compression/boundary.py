@@ -88,7 +88,8 @@ class BoundaryCoder:
     ) -> torch.Tensor:
         """Decode and check against the micro-batch: CodecError for anything a peer could have sent wrong."""
         try:
-            x = codec.decode(data, tokens=tokens)
+            # Bounded by the micro-batch's own size: a larger declaration is refused before it is allocated.
+            x = codec.decode(data, tokens=tokens, max_numel=tokens.numel() * self.geo.d)
         except CodecError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure on foreign bytes is a bad payload

@@ -296,9 +296,13 @@ class LosslessCodec(Codec):
     # ------------------------------------------------------------------ decode
 
     def decode(
-        self, data: bytes | bytearray | memoryview, device: str | torch.device | None = None, **context: Any
+        self,
+        data: bytes | bytearray | memoryview,
+        device: str | torch.device | None = None,
+        max_numel: int | None = None,
+        **context: Any,
     ) -> torch.Tensor:
-        """Decode a payload of either version onto ``device`` (default CPU).
+        """Decode a payload of either version, of at most ``max_numel`` elements, onto ``device`` (default CPU).
 
         A version-2 payload decoded onto a CUDA device (or with
         ``impl="triton"``) runs the Triton kernels there; version 1 decodes on
@@ -308,7 +312,7 @@ class LosslessCodec(Codec):
 
         dev = torch.device("cpu") if device is None else torch.device(device)
         fast = resolve_impl(self.impl, dev) == "triton"
-        p = self.parse(data, check_crc=not fast)  # the Triton path checks the CRC on the device
+        p = self.parse(data, check_crc=not fast, max_numel=max_numel)  # the Triton path checks the CRC on the device
         if fast and p.version == VERSION_SEGMENTS:
             from locomm.compression import lossless_device
 
@@ -318,9 +322,11 @@ class LosslessCodec(Codec):
         out = self._decode_cpu(p)
         return out if dev.type == "cpu" else out.to(dev)
 
-    def parse(self, data: bytes | bytearray | memoryview, check_crc: bool = True) -> Parsed:
+    def parse(
+        self, data: bytes | bytearray | memoryview, check_crc: bool = True, max_numel: int | None = None
+    ) -> Parsed:
         """Check a payload's frame and header and split it into chunks (see :func:`lossless_format.parse`)."""
-        return _parse(data, check_crc)
+        return _parse(data, check_crc, max_numel)
 
     def chunk(self, p: Parsed, c: int) -> Chunk:
         """Parse chunk ``c``'s header (see :func:`lossless_format.parse_chunk`)."""

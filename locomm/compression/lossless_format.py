@@ -191,11 +191,12 @@ class Chunk(NamedTuple):
     raw0: int
 
 
-def parse(data: bytes | bytearray | memoryview, check: bool = True) -> Parsed:
+def parse(data: bytes | bytearray | memoryview, check: bool = True, max_numel: int | None = None) -> Parsed:
     """Check a payload's frame and header and split it into chunks (nothing decoded yet).
 
     With ``check=False`` the caller checks the CRC itself (before it returns
-    anything); every read here is bounds-checked either way.
+    anything); every read here is bounds-checked either way. A shape of more
+    than ``max_numel`` elements (the receiver's bound) is refused.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError(f"payload must be bytes-like, got {type(data).__name__}")
@@ -214,7 +215,7 @@ def parse(data: bytes | bytearray | memoryview, check: bool = True) -> Parsed:
     if dtype not in FLOAT_LAYOUTS:
         raise CodecError(f"lossless payload claims unsupported dtype {dtype}")
     layout = FLOAT_LAYOUTS[dtype]
-    shape = r.shape()
+    shape = r.shape(max_numel)
     numel = numel_of(shape)
     chunk_elems = r.u32()
     if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:

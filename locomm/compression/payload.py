@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from locomm.compression.base import Codec, CodecError, TensorRole, tensor_bytes, tensor_from_bytes
+from locomm.compression.base import Codec, CodecError, OversizeError, TensorRole, tensor_bytes, tensor_from_bytes
 from locomm.compression.choice import codec_choice
-from locomm.compression.registry import available_codecs, get_codec
+from locomm.compression.registry import available_codecs, codec_class, get_codec
 
 PART_ELEMS = 1 << 20
 """Default elements per part (4 MiB of fp32)."""
@@ -84,7 +84,12 @@ class TensorPlan:
         return math.prod(self.shape)
 
     def max_bytes(self) -> int:
-        """Upper bound on the encoded size (raw fp32 size plus framing slack)."""
+        """Upper bound on the encoded size: for a value the algorithm encoded, its codec's own bound when it
+        has one (``topk2bit``: one byte per element); else the raw fp32 size plus framing slack."""
+        if self.encoded and "+" not in self.codec and self.codec != "none":
+            bound = getattr(codec_class(self.codec), "max_encoded_bytes", None)
+            if bound is not None:
+                return int(bound(self.numel, len(self.shape)))
         return int(self.numel * 4 * 1.1) + 65536
 
 
@@ -207,11 +212,15 @@ class PayloadCodec:
     # -- decode ------------------------------------------------------------------------
 
     def allocate(self, nbytes: Mapping[str, int] | None = None) -> dict[str, Any]:
-        """Destinations for one incoming payload: tensors of the wire dtype, bytearrays for encoded values."""
+        """Destinations for one incoming payload: tensors of the wire dtype, bytearrays for encoded values
+        (of the sender's declared length, refused above the plan's own bound)."""
         out: dict[str, Any] = {}
         for t in self.tensors:
             if t.encoded:
-                out[t.name] = bytearray((nbytes or {})[t.name])
+                n = (nbytes or {})[t.name]
+                if not 0 <= n <= t.max_bytes():
+                    raise PayloadError("shape", f"{t.name}: {n} bytes declared, at most {t.max_bytes()} expected")
+                out[t.name] = bytearray(n)
             else:
                 out[t.name] = torch.empty(t.shape, dtype=WIRE_DTYPES[t.dtype])
         return out
@@ -232,7 +241,9 @@ class PayloadCodec:
             x = tensor_from_bytes(data, want, (part.count,))
         else:
             try:
-                x = codec.decode(data)
+                x = codec.decode(data, max_numel=part.count)  # a larger claim is refused before allocating
+            except OversizeError as e:
+                raise PayloadError("shape", f"{t.name}: {e}") from None
             except CodecError as e:
                 raise PayloadError("payload", f"{t.name}: {e}") from None
             except Exception as e:  # noqa: BLE001 - any codec failure on foreign bytes is a bad payload
@@ -253,7 +264,9 @@ class PayloadCodec:
                 continue
             codec = self.codec(t.codec)
             try:
-                x = codec.decode(bytes(dest[t.name])) if codec is not None else None
+                x = codec.decode(bytes(dest[t.name]), max_numel=t.numel) if codec is not None else None
+            except OversizeError as e:
+                raise PayloadError("shape", f"{t.name}: {e}") from None
             except Exception as e:  # noqa: BLE001 - foreign bytes
                 raise PayloadError("payload", f"{t.name}: {type(e).__name__}: {e}") from None
             if x is None or x.numel() != t.numel:

@@ -132,15 +132,15 @@ class ScapeCodec(PartsCodec):
                 u[idx] = u[idx] - values.float()
         return w.getvalue(), [values.contiguous()]
 
-    def _parse(self, meta: memoryview) -> tuple[torch.dtype, tuple[int, ...], torch.Tensor | None, int]:
+    def _parse(
+        self, meta: memoryview, max_numel: int | None = None
+    ) -> tuple[torch.dtype, tuple[int, ...], torch.Tensor | None, int]:
         r = Reader(meta)
         dtype = code_dtype(r.u8())
         if not dtype.is_floating_point:
             raise CodecError(f"scape payload claims non-float dtype {dtype}")
-        shape = r.shape()
+        shape = r.shape(self.max_numel if max_numel is None else min(self.max_numel, max_numel))
         n = numel_of(shape)
-        if n > self.max_numel:
-            raise CodecError(f"payload claims {n} elements (limit max_numel={self.max_numel})")
         fmt = r.u8()
         nnz = r.u64()
         if nnz > n:
@@ -162,8 +162,10 @@ class ScapeCodec(PartsCodec):
         r.expect_end()
         return dtype, shape, idx, nnz
 
-    def decode_parts(self, meta: memoryview, parts: list[torch.Tensor], **context: Any) -> torch.Tensor:
-        dtype, shape, idx, nnz = self._parse(meta)
+    def decode_parts(
+        self, meta: memoryview, parts: list[torch.Tensor], max_numel: int | None = None, **context: Any
+    ) -> torch.Tensor:
+        dtype, shape, idx, nnz = self._parse(meta, max_numel)
         if len(parts) != 1:
             raise CodecError("scape payload must hold exactly one float part")
         values = check_part(parts, 0, (nnz,), (torch.float32, torch.float16, torch.bfloat16))

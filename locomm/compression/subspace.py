@@ -144,6 +144,7 @@ class SubspaceCodec(PartsCodec):
         parts: list[torch.Tensor],
         tokens: torch.Tensor | None = None,
         device: str | torch.device | None = None,
+        max_numel: int | None = None,
         **context: Any,
     ) -> torch.Tensor:
         r = Reader(meta)
@@ -152,7 +153,7 @@ class SubspaceCodec(PartsCodec):
         dtype = code_dtype(r.u8())
         if not dtype.is_floating_point:
             raise CodecError(f"subspace payload claims non-float dtype {dtype}")
-        shape = r.shape()
+        shape = r.shape(max_numel)
         if len(shape) < 1 or shape[-1] != self.d:
             raise CodecError(f"subspace payload shape {shape} does not end in d={self.d}")
         has_tokens = r.u8()

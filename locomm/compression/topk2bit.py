@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from locomm.compression.base import (
+    MAX_NDIM,
     MAX_SPARSE_NUMEL,
     CodecError,
     PartsCodec,
@@ -52,6 +53,9 @@ from locomm.compression.base import (
 
 CHUNK = 64
 """Elements per top-k chunk (fixed: the index is 6 bits)."""
+_FRAME_BYTES = 5 + 8 + 1 + 1 + 1 + 8 + 1 + 4
+"""A standalone payload's bytes besides the packed indices and the shape's dims: magic and version, the
+meta blob's length, dtype, ndim, k, the two levels, the part count, the CRC."""
 
 
 class TopK2BitCodec(PartsCodec):
@@ -168,21 +172,27 @@ class TopK2BitCodec(PartsCodec):
             e.copy_(padded[:n])
         return packed.numpy().tobytes(), lo, hi
 
+    @classmethod
+    def max_encoded_bytes(cls, numel: int, ndim: int = MAX_NDIM, k: int = CHUNK) -> int:
+        """The most bytes a standalone payload of a ``numel``-element tensor of rank ``ndim`` takes at ``k``
+        per chunk (default every element): a receiver's bound on a sender's declared size, from the layout
+        alone (a stateless receiver does not know the run's density)."""
+        return -(-numel // CHUNK) * k + _FRAME_BYTES + 8 * ndim
+
     def _parse(
-        self, meta: memoryview, parts: list[torch.Tensor]
+        self, meta: memoryview, parts: list[torch.Tensor], max_numel: int | None = None
     ) -> tuple[torch.dtype, tuple[int, ...], torch.Tensor, torch.Tensor]:
         r = Reader(meta)
         dtype = code_dtype(r.u8())
         if not dtype.is_floating_point:
             raise CodecError(f"topk2bit payload claims non-float dtype {dtype}")
-        shape = r.shape()
+        limit = self.max_numel if max_numel is None else min(self.max_numel, max_numel)
+        shape = r.shape(limit)  # refused here, before the (C, k) indices and the dense output exist
         k = r.u8()
         if not 1 <= k <= CHUNK:
             raise CodecError(f"bad k {k}")
         lo, hi = r.f32(), r.f32()
         n = numel_of(shape)
-        if n > self.max_numel:
-            raise CodecError(f"payload claims {n} elements (limit max_numel={self.max_numel})")
         n_chunks = -(-n // CHUNK)
         packed = torch.from_numpy(r.array(n_chunks * k, np.uint8).copy()).view(n_chunks, k)
         r.expect_end()
@@ -194,17 +204,25 @@ class TopK2BitCodec(PartsCodec):
         return dtype, shape, idx.reshape(-1)[keep], values.reshape(-1)[keep]
 
     def decode_parts(
-        self, meta: memoryview, parts: list[torch.Tensor], device: str | torch.device | None = None, **context: Any
+        self,
+        meta: memoryview,
+        parts: list[torch.Tensor],
+        device: str | torch.device | None = None,
+        max_numel: int | None = None,
+        **context: Any,
     ) -> torch.Tensor:
         """The dense tensor, built on ``device`` (default CPU)."""
-        dtype, shape, idx, values = self._parse(meta, parts)
+        dtype, shape, idx, values = self._parse(meta, parts, max_numel)
         dev = torch.device("cpu") if device is None else torch.device(device)
         out = torch.zeros(numel_of(shape), dtype=torch.float32, device=dev)
         out.index_put_((idx.to(dev),), values.to(dev), accumulate=False)
         return out.reshape(shape).to(dtype)
 
-    def decode_sparse(self, data: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-        """(flat indices int64, fp32 values, shape) of a standalone ``topk2bit`` payload."""
+    def decode_sparse(
+        self, data: bytes | bytearray | memoryview, max_numel: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """(flat indices int64, fp32 values, shape) of a standalone ``topk2bit`` payload of at most
+        ``max_numel`` elements."""
         from locomm.compression.base import unseal
 
         r = Reader(unseal(self.magic, data))
@@ -212,7 +230,7 @@ class TopK2BitCodec(PartsCodec):
         if r.u8() != 0:
             raise CodecError("topk2bit payload has unexpected float parts")
         r.expect_end()
-        _, shape, idx, values = self._parse(meta, [])
+        _, shape, idx, values = self._parse(meta, [], max_numel)
         return idx, values, shape
 
 

@@ -59,8 +59,9 @@ class SparseLoCo(OuterAlgorithm):
             count = torch.zeros_like(phi) if senders else None
             for pl in received.values():
                 v = pl[f"sparse/{k}"]  # the codec's bytes (own payload), or a tensor the transport decoded
-                d = self.codecs[k].decode(v) if isinstance(v, (bytes, bytearray, memoryview)) else v
-                d = d.float().reshape(phi.shape)
+                if isinstance(v, (bytes, bytearray, memoryview)):  # bounded by phi: a larger claim allocates nothing
+                    v = self.codecs[k].decode(v, max_numel=phi.numel())
+                d = v.float().reshape(phi.shape)
                 total.add_(d)
                 if count is not None:
                     count.add_((d != 0).float())

@@ -225,11 +225,15 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
             from hivemind.dht import DHTNode
 
             from locomm.compression.payload import PayloadCodec
+            from locomm.peer.records import SwarmValidator
             from locomm.peer.swarm import store_heartbeat
             from locomm.protocol.messages import push_header
 
-            client = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            dht = await DHTNode.create(p2p=client, initial_peers=[boot])
+            ident = str(tmp_path / "probe.id")  # records are signed: the probe holds its identity's key
+            client = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=ident)
+            dht = await DHTNode.create(
+                p2p=client, initial_peers=[boot], record_validator=SwarmValidator.from_identity(ident)
+            )
             me = client.peer_id.to_base58()
 
             async def send(raw: bytes) -> int:

@@ -28,7 +28,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +46,7 @@ from locomm.peer.gossip import Faults, Gossip
 from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.records import SPEC_TTL_S, SwarmKey, SwarmValidator, heartbeat_ttl, load_identity
 from locomm.peer.rpc import RpcServer, Service
-from locomm.peer.state import fetch_state
+from locomm.peer.state import Synced, fetch_state
 from locomm.peer.swarm import fetch_spec, peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
 from locomm.protocol.membership import Heartbeat
 from locomm.protocol.timing import Limits
@@ -334,15 +334,16 @@ class Host:
             max_wait_s=cfg.max_wait_s,
         )
 
-    async def fetch_state(self, donors: list[str]) -> tuple[int, dict[str, Any]] | None:
-        """The newest state most of ``donors`` agree on (see ``peer/state.py``), or None."""
+    async def fetch_state(self, donors: list[str], expected: Mapping[str, tuple[int, ...]]) -> Synced | None:
+        """A state of ``expected``'s layout (the driver's own model) that a minority of lying ``donors`` cannot
+        steer (see ``peer/state.py``), or None: the driver starts from its own weights. Liars are faults."""
         return await fetch_state(
             self.p2p,
             run_id=self.run_id,
             me=self.me,
             donors=donors,
             limits=self.limits,
-            max_bytes=int(self.spec.network.max_message_mb * 2**20) * 4,
+            expected=expected,
             on_fault=self.faults.record,
         )
 

@@ -31,17 +31,20 @@ from locomm import __version__
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.host import Host, NodeOptions, SpecMismatch
-from locomm.peer.state import Snapshot, StateServer, load_state, state_tensors
+from locomm.peer.partners import Partners
+from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
-from locomm.protocol.membership import NOT_ADMITTED, Heartbeat, members_for_round
-from locomm.protocol.timing import ema, partner_eta
+from locomm.protocol.membership import NOT_ADMITTED, Heartbeat, members_for_round, swarm_round
+from locomm.protocol.timing import ema
 
 __all__ = ["Node", "NodeOptions", "SpecMismatch"]
 
 log = logging.getLogger(__name__)
 JOIN_MARGIN_ROUNDS = 2
 STATE_ATTEMPTS = 3
+DONORS = 5
+"""Peers a joiner asks for their state (the state most of them agree on wins; see peer/state.py)."""
 """Whole state downloads a joiner tries before it starts from the initial weights."""
 
 
@@ -57,6 +60,7 @@ class Node:
         self.spec = spec
         self.opts = opts
         self.host: Host
+        self.roster: Partners
         self.averager: Any = None
         self.round = self.join_round = 0
         self.end_round: int | None = None
@@ -188,6 +192,8 @@ class Node:
         first_heartbeat_at = time.time()
         await host.compute(self._build, host.default_shard())
         self.gossip = host.gossip(self.codec)
+        self.roster = Partners(host, self.spec, self.codec.raw_bytes())
+        self.gossip.admit = self.roster.admit  # only a round's partners may push to us
         self.state_server = StateServer(host.run_id)
         warm = asyncio.get_running_loop().run_in_executor(host.codec_pool, self.codec.warm_up)
         await host.serve(self.gossip.service(), self.state_server.service())
@@ -239,7 +245,8 @@ class Node:
         """Pick the round to join at; download state from live peers unless we resumed our own."""
         host = self.host
         beats = [b for b in await host.read_beats() if b.peer != host.me]
-        top = max((b.round for b in beats), default=0)
+        # The round two thirds of the admitted peers reached: one peer claiming round 10^9 cannot send us there.
+        top = swarm_round(beats)
         if all(not b.started for b in beats) and top == 0:
             self.join_round = self.round  # nobody has trained yet: start together
             return
@@ -248,22 +255,36 @@ class Node:
         self.join_round = max(top + JOIN_MARGIN_ROUNDS, self.round)
         await host.publish()
         if not resumed and top > 0:
-            donors = [b.peer for b in sorted(beats, key=lambda b: -b.round)[:3]]
+            # Donors: admitted peers at the swarm's round (not those claiming to be far past it), newest first.
+            near = [b for b in beats if b.admitted and b.started and b.round <= top + 1]
+            donors = [b.peer for b in sorted(near, key=lambda b: -b.round)[:DONORS]]
+            expected = expected_layout(state_tensors(self.algo.phi, self.algo))  # what _snapshot serves
             self.phase = "syncing"
             got = None
             for attempt in range(STATE_ATTEMPTS):  # the state moved on twice while we fetched: ask again
-                got = await host.fetch_state(donors)
+                got = await host.fetch_state(donors, expected)
                 if got is not None or host.stop.is_set():
                     break
                 log.info("state download %d/%d failed; asking the donors again", attempt + 1, STATE_ATTEMPTS)
+            if got is not None:
+                try:
+                    await host.compute(self._load_state, got.tensors)
+                except StateMismatch as e:  # fetch_state checked the layout already: a bug here, not a crash
+                    log.warning("the downloaded state does not fit this model: %s", e)
+                    got = None
             if got is None:
                 log.warning("could not download state from %d donors; starting from the initial weights", len(donors))
                 host.events.write("sync_failed", donors=len(donors))
             else:
-                donor_round, tensors = got
-                await host.compute(self._load_state, tensors)
-                host.events.write("synced", donor_round=donor_round, tensors=len(tensors))
-                log.info("synced state of round %d from %d donor(s)", donor_round, len(donors))
+                host.events.write(
+                    "synced",
+                    donor_round=got.round,
+                    tensors=len(got.tensors),
+                    rule=got.rule,
+                    donors=len(got.donors),
+                    faulted=len(got.faulted),
+                )
+                log.info("synced state of round %d from %d donor(s) by %s", got.round, len(got.donors), got.rule)
         self.round = self.join_round
         self.trainer.step = self.round * self.spec.outer.inner_steps
         await host.settle_view()
@@ -275,29 +296,6 @@ class Node:
         self.averager = await start_averager(self.host, self.codec, group_size=group)
 
     # -- rounds ------------------------------------------------------------------------
-
-    def _eta(self, round_idx: int) -> Any:
-        """Monotonic time by which a partner's payload of ``round_idx`` should be here (from its heartbeat)."""
-        wire = max(1, self.codec.raw_bytes())
-
-        def eta(peer: str) -> float:
-            now_wall, now = time.time(), time.monotonic()
-            b = self.host.beats.get(peer)
-            at = partner_eta(
-                round_idx=round_idx,
-                partner_round=b.round if b is not None else None,
-                round_t0=b.round_t0 if b is not None else None,
-                round_s=b.round_s if b is not None else None,
-                up_Bps=b.up_Bps if b is not None else None,
-                partners=b.partners if b is not None else None,
-                own_round_s=self.round_s,
-                wire_bytes=wire,
-                limits=self.host.limits,
-                now=now_wall,
-            )
-            return now + (at - now_wall)
-
-        return eta
 
     def _apply(self, received: dict[str, Any]) -> None:
         """The pending round's outer update, one round late, keeping local progress (protocol/rounds.py)."""
@@ -313,7 +311,8 @@ class Node:
             self.gossip.stats.exchanges_ok += answered
             self.gossip.stats.exchanges_failed += int(answered == 0)
             return received, answered
-        got = await self.gossip.exchange(round_idx, planned.exchange.peers, payload, eta=self._eta(round_idx))
+        eta = self.roster.eta(round_idx, self.round_s)
+        got = await self.gossip.exchange(round_idx, planned.exchange.peers, payload, eta=eta)
         return planned.received(me, got), len(got)
 
     async def _finish(self, task: asyncio.Task | None) -> None:
@@ -377,6 +376,7 @@ class Node:
                 now=host.dht_now(),
             )
             planned = await host.compute(self.rounds.start, self.round, members, self.params())
+            self.roster.planned_round(self.round, planned.exchange.peers)
             self.members, self.partners = len(members), len(planned.exchange.peers)
             pending = host.spawn(self._exchange(self.round, planned))
             if not self.opts.overlap:

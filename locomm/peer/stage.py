@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import statistics
 import time
 from typing import Any
 
@@ -34,14 +35,16 @@ from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
 from locomm.peer.host import Host, NodeOptions
 from locomm.peer.stage_service import Lost, StageService, eval_mid
-from locomm.peer.state import Snapshot, StateServer, load_state, state_tensors
+from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
-from locomm.protocol.membership import Heartbeat, live, members_for_round, pick_stage
+from locomm.protocol.membership import Heartbeat, live, members_for_round, pick_stage, robust_top
 from locomm.protocol.timing import sibling_wait_s
 from locomm.train.stage import StageWorker
 
 log = logging.getLogger(__name__)
+STATE_DONORS = 5
+"""Replicas a joiner of a stage asks for a manifest (``peer/state.py`` takes their majority state or their median)."""
 
 
 class Stage:
@@ -146,6 +149,7 @@ class Stage:
         await host.compute(self._build, host.default_shard())
         self.svc = StageService(host, self.worker, self.coder, self._after_backward)
         self.gossip = host.gossip(self.codec)
+        self.gossip.admit = self._admit_sync  # replica-sync pushes only from replicas of this stage
         self.state_server = StateServer(host.run_id)
         await host.serve(self.svc.service(), self.gossip.service(), self.state_server.service())
         host.heartbeat = self.heartbeat
@@ -186,20 +190,29 @@ class Stage:
         """A joiner of a stage that has trained: download the stage's weights and outer state from its replicas."""
         host = self.host
         beats = [b for b in await host.read_beats() if b.peer != host.me and b.stage == self.stage and not b.finished]
-        donors = [b.peer for b in sorted(beats, key=lambda b: -b.step)[:3] if b.step > 0]
-        if not donors:
+        trained = [b for b in beats if b.step > 0]
+        if not trained:
             return
-        got = await host.fetch_state(donors)
+        # Replicas near the median step first: one claiming step 10^9 is not preferred (fetch_state drops it).
+        median = statistics.median_low([b.step for b in trained])
+        donors = [b.peer for b in sorted(trained, key=lambda b: abs(b.step - median))[:STATE_DONORS]]
+        got = await host.fetch_state(donors, expected_layout(state_tensors(self.params(), self.algo)))
+        if got is not None:
+            try:
+                await host.compute(self._load_state, got.tensors)
+            except StateMismatch as e:  # fetch_state checked the layout already: a bug here, not a crash
+                log.warning("the downloaded state does not fit stage %d: %s", self.stage, e)
+                got = None
         if got is None:
             log.warning("could not download stage %d's state; starting from the initial weights", self.stage)
             host.events.write("sync_failed", donors=len(donors))
             return
-        donor_round, tensors = got
-        await host.compute(self._load_state, tensors)
-        step = max(b.step for b in beats)
+        donor_round, tensors = got.round, got.tensors
+        # The step (and data clock) most siblings reached: one claiming step 10^9 cannot send us there.
+        step = robust_top((b.step for b in trained), slack=self.spec.outer.inner_steps)
         self.worker.step = step
         if self.stage > 0:  # the siblings' data clock: our rounds start at the round they are in
-            self.svc.clock = max(b.clock or b.step for b in beats)
+            self.svc.clock = robust_top((b.clock or b.step for b in trained), slack=self.spec.outer.inner_steps)
         self.round = self._rounds_due = self.svc.data_clock() // self.spec.outer.inner_steps
         host.events.write("synced", donor_round=donor_round, tensors=len(tensors), step=step)
         log.info("stage %d: synced weights of step %d from %d donor(s)", self.stage, step, len(donors))
@@ -349,6 +362,16 @@ class Stage:
             self.pending = (planned, task)
             self.round = r + 1
         host.publish_soon()
+
+    async def _admit_sync(self, remote: str, round_idx: int) -> bool:
+        """A replica-sync push is taken only from an admitted replica of this stage (one fresh read first)."""
+        for fresh in (False, True):
+            if fresh:
+                await self.host.read_beats()
+            b = self.host.beats.get(remote)
+            if b is not None and b.stage == self.stage and b.admitted:
+                return True
+        return False
 
     async def _settle_last(self, grace_s: float) -> None:
         if self.pending is not None:

@@ -101,6 +101,34 @@ class StageService:
             if b.peer not in h.faults.banned and (suspects or now >= self.suspect.get(b.peer, 0.0))
         )
 
+    # -- who may send, and how far a frame moves the clock --------------------------------
+
+    async def _check_sender(self, remote: str) -> None:
+        """Frames come only from a live replica of the previous stage (UNAUTHORIZED otherwise, before any body
+        is read); a sender we have not seen there yet gets one fresh DHT read first."""
+        h, prev = self.host, self.stage - 1
+
+        def is_prev() -> bool:
+            b = h.beats.get(remote)
+            return b is not None and b.stage == prev and remote in self.live_replicas(prev, suspects=True)
+
+        if not is_prev():
+            await h.read_beats()
+            if not is_prev():
+                raise ProtocolViolation(ErrorCode.UNAUTHORIZED, f"not a live replica of stage {prev}")
+
+    def clock_ceiling(self, remote: str, frame_clock: int) -> int:
+        """What a frame's clock may move ours to: at most one round (H steps) past the clocks that this stage's
+        replicas and stage 0's replicas publish (the sender's own excluded), and past ours. A sender cannot set
+        the data clock (hence replica-sync rounds) of a stage ahead of the swarm."""
+        h = self.host
+        fresh = live(h.beats.values(), h.dht_now(), self.spec.network.heartbeat_ttl_s)
+        published = [b.clock for b in fresh if b.peer != remote and b.stage in (0, self.stage)]
+        ceiling = max([self.clock, *published]) + self.spec.outer.inner_steps
+        if frame_clock > ceiling:
+            log.info("a frame from %s claims step %d; held to %d", remote[-8:], frame_clock, ceiling)
+        return min(frame_clock, ceiling)
+
     # -- serving ------------------------------------------------------------------------
 
     async def _on_forward(self, call: Call) -> None:
@@ -116,6 +144,7 @@ class StageService:
         )
         if self.stage == 0:
             raise ProtocolViolation(ErrorCode.NOT_READY, "stage 0 takes no activations")
+        await self._check_sender(call.remote)
         tok_raw = await call.link.read_part(f.tokens_nbytes)
         act_raw = await call.link.read_part(f.act_nbytes)
         if len(tok_raw) != f.tokens_nbytes or len(act_raw) != f.act_nbytes:
@@ -130,7 +159,7 @@ class StageService:
             raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, str(e)) from None
         train = call.msg.type == "fwd"
         if train:
-            self.clock = max(self.clock, int(call.msg.round))
+            self.clock = max(self.clock, self.clock_ceiling(call.remote, int(call.msg.round)))
         try:
             loss, g = await self.process(f.origin, f.mb, window, h, train=train)
         except Lost as e:

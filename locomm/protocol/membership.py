@@ -250,6 +250,23 @@ def members_for_round(
     return sorted(members)
 
 
+def robust_top(values: Iterable[int], slack: int = 1) -> int:
+    """The largest of ``values`` within ``slack`` of the value two thirds of them reach (the largest, with
+    fewer than 3; 0 with none): a minority that claims a far-off round or step moves it by ``slack`` at most."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0
+    if len(ordered) < 3:
+        return ordered[-1]
+    q = ordered[(2 * len(ordered) - 1) // 3]
+    return max(v for v in ordered if v <= q + slack)
+
+
+def swarm_round(beats: Iterable[Heartbeat]) -> int:
+    """The swarm's round as a joiner should take it: :func:`robust_top` of the admitted peers' rounds."""
+    return robust_top(b.round for b in beats if b.admitted)
+
+
 def live(beats: Iterable[Heartbeat], now: float, fresh_s: float, *, stage: int | None = None) -> list[Heartbeat]:
     """Unfinished peers whose heartbeat is younger than ``fresh_s`` (of one ``stage``, when given)."""
     return [b for b in beats if not b.finished and now - b.time < fresh_s and (stage is None or b.stage == stage)]

@@ -42,14 +42,17 @@ async def probe(boot: str, spec: RunSpec) -> dict[str, list[int]]:
     from locomm.compression.boundary import BoundaryCoder
     from locomm.model.stages import Geometry
     from locomm.peer.swarm import read_heartbeats, store_heartbeat
+    from locomm.protocol.membership import NOT_ADMITTED
 
     run = spec.hash()[:16]
     client = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     dht = await DHTNode.create(p2p=client, initial_peers=[boot])
     me = client.peer_id.to_base58()
     try:
-        # The stage service's policy is "announced": a heartbeat in the swarm first (no stage: never routed to).
-        await store_heartbeat(dht, run, me, {"round": 0, "join_round": 0, "stage": -1}, 60.0)
+        # Frames are taken only from a live replica of the previous stage: the probe announces itself as a
+        # stage-0 replica (never routed to: nobody sends to stage 0) that is not admitted to any replica-sync
+        # round (so no sibling waits for it).
+        await store_heartbeat(dht, run, me, {"round": 0, "join_round": NOT_ADMITTED, "stage": 0}, 60.0)
         targets: list[str] = []
         deadline = time.monotonic() + 120
         while len(targets) < 2 and time.monotonic() < deadline:
@@ -118,6 +121,8 @@ async def probe(boot: str, spec: RunSpec) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {"status_stages": stages}
         for target in targets:
             codes = []
+            # Fresh (a heartbeat older than heartbeat_ttl_s is not a live replica's), as a live peer's would be.
+            await store_heartbeat(dht, run, me, {"round": 0, "join_round": NOT_ADMITTED, "stage": 0}, 60.0)
             try:
                 # Until the target has read our heartbeat from the DHT it refuses us (UNAUTHORIZED, no fault).
                 t_end = time.monotonic() + 60

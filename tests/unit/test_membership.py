@@ -107,3 +107,14 @@ def test_round_partners_match_each_algorithms_plan():
             for r in range(6):
                 assert round_partners(cfg, r, members, me) == set(algo.plan(r, members, params).peers), (cfg.algo, r)
     assert round_partners(OuterConfig(algo="noloco"), 0, members, "outsider") == set()
+
+
+def test_a_minority_claiming_a_far_round_does_not_set_the_swarms_round():
+    from locomm.protocol.membership import swarm_round
+
+    honest = [Heartbeat(peer=f"h{i}", round=r) for i, r in enumerate((5, 5, 6))]
+    liar = Heartbeat(peer="liar", round=10**9)
+    assert swarm_round(honest) == 6
+    assert swarm_round([*honest, liar]) == 6
+    assert swarm_round([*honest[:2], liar]) == 5  # 1 of 3
+    assert swarm_round([Heartbeat(peer="w", round=3, join_round=2**31 - 1)]) == 0  # not admitted: not counted

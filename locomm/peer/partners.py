@@ -1,0 +1,79 @@
+"""A data-parallel peer's partners: who may push to it in a round, and by when their payloads are due.
+
+Both read the heartbeats the host holds and compute what every peer computes alike (``protocol/``): the
+round's members and partners (:func:`~locomm.protocol.schedule.round_partners`), a partner's ETA
+(:func:`~locomm.protocol.timing.partner_eta`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from locomm.config import RunSpec
+from locomm.peer.host import Host
+from locomm.protocol.membership import members_for_round
+from locomm.protocol.schedule import round_partners
+from locomm.protocol.timing import partner_eta
+
+KEEP_ROUNDS = 2
+"""Planned partner sets kept behind the current round (pushes of older rounds are refused anyway)."""
+
+
+class Partners:
+    """The push check and the ETAs of one data-parallel peer."""
+
+    def __init__(self, host: Host, spec: RunSpec, wire_bytes: int) -> None:
+        self.host, self.spec = host, spec
+        self.wire_bytes = max(1, wire_bytes)
+        self.planned: dict[int, set[str]] = {}
+        """The partners of the rounds we planned lately: the only peers whose pushes we take for them."""
+
+    def planned_round(self, round_idx: int, peers: list[str]) -> None:
+        self.planned[round_idx] = set(peers)
+        for r in [r for r in self.planned if r < round_idx - KEEP_ROUNDS]:
+            del self.planned[r]
+
+    def of(self, round_idx: int) -> set[str]:
+        """Our partners of ``round_idx`` from the heartbeats we hold."""
+        host = self.host
+        members = members_for_round(
+            host.beats.values(), round_idx, host.me, fresh_s=self.spec.network.heartbeat_ttl_s, now=host.dht_now()
+        )
+        return round_partners(self.spec.outer, round_idx, members, host.me)
+
+    async def admit(self, remote: str, round_idx: int) -> bool:
+        """Only this round's partners may send us a payload (checked before anything is buffered).
+
+        A round we planned uses the partners we planned with; a round we have not planned yet (the sender is
+        ahead) is computed the same way from the heartbeats we hold, then once more after a fresh read (the
+        sender's view may be newer than ours)."""
+        planned = self.planned.get(round_idx)
+        if planned is not None:
+            return remote in planned
+        if remote in self.of(round_idx):
+            return True
+        await self.host.read_beats()
+        return remote in self.of(round_idx)
+
+    def eta(self, round_idx: int, own_round_s: float) -> Callable[[str], float]:
+        """Monotonic time by which a partner's payload of ``round_idx`` should be here (from its heartbeat)."""
+
+        def eta(peer: str) -> float:
+            now_wall, now = time.time(), time.monotonic()
+            b = self.host.beats.get(peer)
+            at = partner_eta(
+                round_idx=round_idx,
+                partner_round=b.round if b is not None else None,
+                round_t0=b.round_t0 if b is not None else None,
+                round_s=b.round_s if b is not None else None,
+                up_Bps=b.up_Bps if b is not None else None,
+                partners=b.partners if b is not None else None,
+                own_round_s=own_round_s,
+                wire_bytes=self.wire_bytes,
+                limits=self.host.limits,
+                now=now_wall,
+            )
+            return now + (at - now_wall)
+
+        return eta

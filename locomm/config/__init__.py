@@ -11,12 +11,14 @@ Notable:
   CLI flags and ``LOCOMM_*`` environment variables, never in the hash.
 
 The sections live in :mod:`locomm.config.training` (model, data, inner optimizer, train loop) and
-:mod:`locomm.config.distributed` (outer algorithm, compression, pipeline, network); :mod:`locomm.config.spec`
+:mod:`locomm.config.distributed` (outer algorithm, compression, pipeline, network), :mod:`locomm.config.defence`
+(poisoning defence); :mod:`locomm.config.spec`
 puts them together; :mod:`locomm.config.base` holds :class:`ConfigError` and the validators. Every name is
 importable from ``locomm.config``.
 """
 
 from locomm.config.base import ConfigError
+from locomm.config.defence import DEFENCE_MODES, DefenceConfig
 from locomm.config.distributed import (
     GASLOC_TOPOLOGIES,
     OUTER_ALGOS,
@@ -30,6 +32,7 @@ from locomm.config.spec import RunSpec
 from locomm.config.training import MODEL_PRESETS, DataConfig, InnerOptimConfig, ModelConfig, TrainConfig
 
 __all__ = [
+    "DEFENCE_MODES",
     "GASLOC_TOPOLOGIES",
     "MODEL_PRESETS",
     "OUTER_ALGOS",
@@ -37,6 +40,7 @@ __all__ = [
     "CompressionConfig",
     "ConfigError",
     "DataConfig",
+    "DefenceConfig",
     "InnerOptimConfig",
     "ModelConfig",
     "NetworkConfig",

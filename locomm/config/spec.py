@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from locomm import PROTOCOL_VERSION
 from locomm.config.base import ConfigError, check
+from locomm.config.defence import DefenceConfig
 from locomm.config.distributed import CompressionConfig, NetworkConfig, OuterConfig, PipelineConfig
 from locomm.config.training import DataConfig, InnerOptimConfig, ModelConfig, TrainConfig
 
@@ -30,6 +31,7 @@ _SECTIONS: dict[str, type] = {
     "pipeline": PipelineConfig,
     "network": NetworkConfig,
     "train": TrainConfig,
+    "defence": DefenceConfig,
 }
 
 
@@ -45,6 +47,7 @@ class RunSpec:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    defence: DefenceConfig = field(default_factory=DefenceConfig)
     protocol_version: int = PROTOCOL_VERSION
 
     SECTIONS: ClassVar[dict[str, type]] = _SECTIONS

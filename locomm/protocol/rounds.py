@@ -22,6 +22,10 @@ with the same arithmetic (no local progress was made).
 
 A partner's payload of round r is taken while the receiver has opened round r - 1, r
 or r + 1 (``RECEIVE_WINDOW``).
+
+Screening: ``Rounds.settle`` passes what arrived through the run spec's poisoning defence
+(``protocol/defence.py``) before the outer rule takes it; ``Rounds.rejected`` (a fault against each
+sender named), ``Rounds.clipped`` and ``Rounds.fallback`` tell the transport what it did that settle.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from locomm.config import DefenceConfig
 from locomm.protocol.base import Exchange, OuterAlgorithm, Params, Payload
+from locomm.protocol.defence import Defence, Screened
 
 RECEIVE_WINDOW = 1
 """A receiver in round c takes payloads of rounds c - 1 .. c + 1."""
@@ -68,20 +74,29 @@ def apply_late(
     params: Params,
     sent: Mapping[str, torch.Tensor],
     received: Mapping,
-) -> None:
+    defence: Defence | None = None,
+) -> Screened | None:
     """The outer update of the weights that were sent, with the local progress made since kept on top:
-    theta <- theta_now + (outer(theta_sent) - theta_sent), in place."""
+    theta <- theta_now + (outer(theta_sent) - theta_sent), in place.
+
+    With ``defence``, ``received`` is screened first and what the screening did is returned."""
+    screened = defence.screen(received, sent) if defence is not None else None
+    if screened is not None:
+        received = screened.received
     target = {k: v.clone() for k, v in sent.items()}
     algo.apply(round_idx, target, received)
     with torch.no_grad():
         for k, p in params.items():
             p.add_(target[k] - sent[k])
+    return screened
 
 
-def apply_blocking(algo: OuterAlgorithm, planned: Planned, params: Params, received: Mapping) -> None:
+def apply_blocking(
+    algo: OuterAlgorithm, planned: Planned, params: Params, received: Mapping, defence: Defence | None = None
+) -> Screened | None:
     """The blocking variant: the exchange was waited for before any further step (``params`` still hold
     ``planned.sent``); the same arithmetic as ``apply_late``, so both schedules round alike."""
-    apply_late(algo, planned.round_idx, params, planned.sent, received)
+    return apply_late(algo, planned.round_idx, params, planned.sent, received, defence)
 
 
 def apply_step(inner_steps: int, apply_delay_steps: int = 0) -> int:
@@ -100,17 +115,44 @@ class Rounds:
 
     The transport calls ``due(i)`` before inner step i of a round and ``settle`` when it is; at the end
     of the round's steps ``settle`` again (a no-op when already applied), then ``start`` the next
-    round; in blocking mode the transport exchanges and settles right after ``start``.
+    round; in blocking mode the transport exchanges and settles right after ``start``. Each settle resets
+    ``rejected``, ``clipped`` and ``fallback``; one that applied a round fills them with its screening.
+
+    ``defence``: the run spec's ``[defence]`` (default: ``DefenceConfig()``, on).
     """
 
     def __init__(
-        self, algo: OuterAlgorithm, inner_steps: int, *, overlap: bool = True, apply_delay_steps: int = 0
+        self,
+        algo: OuterAlgorithm,
+        inner_steps: int,
+        *,
+        overlap: bool = True,
+        apply_delay_steps: int = 0,
+        defence: DefenceConfig | None = None,
     ) -> None:
         self.algo = algo
         self.overlap = overlap
         self.at = apply_step(inner_steps, apply_delay_steps if overlap else 0)
         self.pending: Planned | None = None
         self.received: Mapping | None = None
+        self.defence = Defence(defence if defence is not None else DefenceConfig(), algo)
+        self.outcome = Screened(received={})
+        """The last applied round's screening (empty before the first)."""
+
+    @property
+    def rejected(self) -> list[tuple[object, str]]:
+        """(sender, reason) of each update the last applied round dropped: record a fault against each."""
+        return self.outcome.rejected
+
+    @property
+    def clipped(self) -> list[tuple[object, float]]:
+        """(sender, scale) of each update the last applied round scaled down to its bound."""
+        return self.outcome.clipped
+
+    @property
+    def fallback(self) -> str | None:
+        """DiLoCo: why the last applied round took the own step instead of the group's mean (None: it did not)."""
+        return self.outcome.fallback
 
     def start(self, round_idx: int, members: Sequence, params: Params) -> Planned:
         """Plan round ``round_idx`` (the previous one must be settled first)."""
@@ -129,7 +171,8 @@ class Rounds:
         return self.pending is not None and step_in_round == self.at
 
     def settle(self, params: Params, received: Mapping | None = None) -> int | None:
-        """Apply the pending exchange (``received``, or what ``arrived`` recorded); returns its round."""
+        """Screen and apply the pending exchange (``received``, or what ``arrived`` recorded); returns its round."""
+        self.outcome = Screened(received={})
         if self.pending is None:
             return None
         planned, self.pending = self.pending, None
@@ -137,5 +180,7 @@ class Rounds:
         self.received = None
         if got is None:
             raise RuntimeError(f"round {planned.round_idx}: settled before its exchange arrived")
-        apply_late(self.algo, planned.round_idx, params, planned.sent, got)
+        outcome = apply_late(self.algo, planned.round_idx, params, planned.sent, got, self.defence)
+        if outcome is not None:
+            self.outcome = outcome
         return planned.round_idx

@@ -17,6 +17,11 @@ Notable:
   (``compression/payload.py``), so byte counts are what the daemon sends and lossy
   stages really change what peers receive. SparseLoCo's payload is already its codec's
   bytes. DiLoCo's goes raw (fp32) through hivemind's averager, as in the daemon.
+- ``attackers={worker: kind}`` makes those workers poison their outer updates
+  (``protocol/attacks.py``, applied to theta at plan time as the daemon's ``--attack`` does);
+  every honest worker's screening (``Rounds.rejected``/``clipped``, the run spec's
+  ``[defence]``) is counted per exchange in ``SimResult.defence``, and ``val_loss`` is the
+  honest workers' mean.
 - DDP runs as one shared replica whose step averages the N workers' gradients; its
   bytes are those of N workers ring-all-reducing gradients every step (blocking).
 """
@@ -25,7 +30,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +40,7 @@ from locomm.compression.payload import PayloadCodec
 from locomm.config import TENSOR_ROLES, ConfigError, RunSpec
 from locomm.data import BatchSampler, TokenSplits, load_corpus
 from locomm.protocol import DDP, Payload, build_outer
+from locomm.protocol.attacks import ATTACKS, corrupt
 from locomm.protocol.rounds import Planned, Rounds
 from locomm.protocol.timing import Limits
 from locomm.sim.network import NetworkModel, RoundRecord
@@ -50,7 +57,7 @@ class SimResult:
     steps: list[int] = field(default_factory=list)
     """Inner steps done at each evaluation."""
     val_loss: list[float] = field(default_factory=list)
-    """Mean over workers of each worker's own validation loss, at each evaluation."""
+    """Mean over (honest) workers of each worker's own validation loss, at each evaluation."""
     val_spread: list[float] = field(default_factory=list)
     """Max minus min of the workers' validation losses."""
     records: list[RoundRecord] = field(default_factory=list)
@@ -65,6 +72,9 @@ class SimResult:
     """The run's own timeline, when it was simulated on a network."""
     round_done: list[float] = field(default_factory=list)
     """When every worker held its round-r model, on the run's own network (empty without one)."""
+    defence: Counter = field(default_factory=Counter)
+    """What honest workers' screening did, per exchange: {attacker,honest}_{exchanges,rejected,clipped}
+    (an exchange: one sender's update in one receiver's settle) and ``fallbacks`` (DiLoCo's own step)."""
 
     @property
     def final_val_loss(self) -> float:
@@ -92,6 +102,7 @@ class Simulator:
         eval_every: int = 1,
         overlap: bool = True,
         network: NetworkModel | None = None,
+        attackers: Mapping[int, str] | None = None,
     ) -> None:
         algo = spec.outer.algo
         if algo == "none":
@@ -106,6 +117,12 @@ class Simulator:
             raise ConfigError(f"outer.group_size: {spec.outer.group_size} is larger than the {workers} workers")
         if algo == "gasloc" and spec.outer.topology == "kpeers" and spec.outer.k_peers >= workers:
             raise ConfigError(f"outer.k_peers: {spec.outer.k_peers} needs more than {workers} workers")
+        self.attackers = dict(attackers or {})
+        for w, kind in self.attackers.items():
+            if not 0 <= w < workers or kind not in ATTACKS or algo == "ddp":
+                raise ConfigError(f"attackers: {w}: {kind!r} needs a worker < {workers}, one of {ATTACKS}, no ddp")
+        self.honest = [w for w in range(workers) if w not in self.attackers]
+        self.attack_gen = torch.Generator().manual_seed(spec.train.seed + 7919)
         self.spec = spec
         self.workers = workers
         self.splits = splits if splits is not None else load_corpus(spec.data)
@@ -140,7 +157,9 @@ class Simulator:
             ]
             self.algos = [build_outer(spec.outer, self._params(w), w) for w in range(workers)]
             H, delay = spec.outer.inner_steps, spec.outer.apply_delay_steps
-            self.rounds = [Rounds(a, H, overlap=self.overlap, apply_delay_steps=delay) for a in self.algos]
+            self.rounds = [
+                Rounds(a, H, overlap=self.overlap, apply_delay_steps=delay, defence=spec.defence) for a in self.algos
+            ]
         shapes = {k: tuple(p.shape) for k, p in self._params(0).items()}
         # The daemon's codec: the same parts, stacks and rounding, so both count the same bytes.
         if algo == "ddp":
@@ -152,6 +171,25 @@ class Simulator:
     def _params(self, w: int) -> dict[str, torch.Tensor]:
         return dict(self.trainers[w].model.named_parameters())
 
+    def _plan_params(self, w: int) -> dict[str, torch.Tensor]:
+        """What worker ``w`` plans from: its weights, or an attacker's corruption of them."""
+        params = self._params(w)
+        kind = self.attackers.get(w)
+        return params if kind is None else corrupt(kind, params, self.algos[w].phi, self.attack_gen)
+
+    def _settle(self, w: int, res: SimResult) -> None:
+        """Settle worker ``w``'s pending round and count what an honest worker's screening did."""
+        rs = self.rounds[w]
+        if rs.settle(self._params(w)) is None or w in self.attackers:
+            return
+        rejected, clipped = {j for j, _ in rs.rejected}, {j for j, _ in rs.clipped}
+        for j in rs.outcome.senders:
+            side = "attacker" if j in self.attackers else "honest"
+            res.defence[f"{side}_exchanges"] += 1
+            res.defence[f"{side}_rejected"] += j in rejected
+            res.defence[f"{side}_clipped"] += j in clipped
+        res.defence["fallbacks"] += rs.fallback is not None
+
     # -- one round -----------------------------------------------------------------
 
     def _outer_round(self, r: int, res: SimResult) -> None:
@@ -160,11 +198,13 @@ class Simulator:
         for w, t in enumerate(self.trainers):
             for i in range(H):
                 if self.rounds[w].due(i):
-                    self.rounds[w].settle(self._params(w))
-                losses.append(t.train_step())
-            self.rounds[w].settle(self._params(w))
+                    self._settle(w, res)
+                loss = t.train_step()
+                if w not in self.attackers:
+                    losses.append(loss)
+            self._settle(w, res)
         res.train_loss.append(sum(losses) / len(losses))
-        planned: list[Planned] = [rs.start(r, self.members, self._params(w)) for w, rs in enumerate(self.rounds)]
+        planned: list[Planned] = [rs.start(r, self.members, self._plan_params(w)) for w, rs in enumerate(self.rounds)]
         plans = [p.exchange for p in planned]
         butterfly = self.spec.outer.algo == "diloco"
         wire: list[Payload] = []
@@ -207,7 +247,7 @@ class Simulator:
                 res.bytes_received[w] += sum(sizes[j] for j in answered[w])
             self.rounds[w].arrived(got)
             if not self.overlap:
-                self.rounds[w].settle(self._params(w))
+                self._settle(w, res)
 
     def _ddp_round(self, r: int, res: SimResult) -> None:
         t = self.trainers[0]
@@ -276,8 +316,8 @@ class Simulator:
             else:
                 self._outer_round(r, res)
             if r == rounds - 1 and self.spec.outer.algo != "ddp":
-                for w, rs in enumerate(self.rounds):  # the daemon settles its last exchange before evaluating
-                    rs.settle(self._params(w))
+                for w in range(self.workers):  # the daemon settles its last exchange before evaluating
+                    self._settle(w, res)
             if (r + 1) % self.eval_every == 0 or r == rounds - 1:
                 self._record_eval(res, (r + 1) * H)
             if on_round:
@@ -289,7 +329,7 @@ class Simulator:
         return res
 
     def _record_eval(self, res: SimResult, step: int) -> None:
-        losses = self.evaluate()
+        losses = [self.trainers[w].evaluate() for w in self.honest] if self.attackers else self.evaluate()
         if not all(math.isfinite(v) for v in losses):
             raise FloatingPointError(f"{self.spec.outer.algo}: validation loss diverged at step {step}")
         res.steps.append(step)

@@ -26,8 +26,10 @@ import torch
 
 from locomm.compression.base import CodecError
 from locomm.compression.boundary import BoundaryCoder, NonFinite
+from locomm.config.defence import DefenceConfig
 from locomm.peer.host import Host
 from locomm.peer.rpc import Call, Service, TransferCut, Unreachable, open_link
+from locomm.protocol.defence import RunningMedian
 from locomm.protocol.membership import live
 from locomm.protocol.messages import (
     STAGE_MESSAGES,
@@ -70,6 +72,9 @@ class StageService:
         self.hold = 0
         """>0 while an outer update waits to be applied: new forwards wait for it."""
         self._cond = asyncio.Condition()
+        d = self.spec.defence
+        self.norms = {"act": BoundaryNorm(d), "grad": BoundaryNorm(d)}
+        """Running medians of the RMS of the activations and gradients that reached this replica."""
 
     def service(self) -> Service:
         return Service("stage", {t: self._on_forward for t in STAGE_MESSAGES}, policy="announced")
@@ -157,6 +162,8 @@ class StageService:
             raise ProtocolViolation(ErrorCode.NOT_FINITE, str(e)) from None
         except CodecError as e:
             raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, str(e)) from None
+        if (why := self.norms["act"].check(h)) is not None:
+            raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, f"activation {why}")
         train = call.msg.type == "fwd"
         if train:
             self.clock = max(self.clock, self.clock_ceiling(call.remote, int(call.msg.round)))
@@ -308,7 +315,34 @@ class StageService:
         except (CodecError, NonFinite) as e:
             host.faults.record(peer, f"bad gradient: {e}")
             raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, str(e)) from None
+        if (why := self.norms["grad"].check(g)) is not None:
+            host.faults.record(peer, f"gradient {why}")
+            raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, f"gradient {why}")
         return loss, g
+
+
+class BoundaryNorm:
+    """The pipeline's poisoning bound: a micro-batch's activation (or gradient) whose RMS exceeds
+    ``defence.factor`` x the running median of the accepted ones is refused (a fault against its sender; the
+    micro-batch is re-routed or lost, the step goes on). No bound until ``defence.window`` values are held:
+    early training moves these sizes fast, and a median of a few is no reference."""
+
+    def __init__(self, cfg: DefenceConfig) -> None:
+        self.cfg = cfg
+        self.median = RunningMedian(cfg.window)
+        self.refused = 0
+
+    def check(self, t: torch.Tensor | None) -> str | None:
+        """None when ``t`` is accepted (its RMS then joins the median), else why it is refused."""
+        if t is None or not self.cfg.enabled:
+            return None
+        rms = float(t.detach().float().pow(2).mean().sqrt())
+        bound = self.median.bound(self.cfg.factor) if len(self.median) >= self.cfg.window else None
+        if bound is not None and rms > bound:
+            self.refused += 1
+            return f"RMS {rms:.3g} over {self.cfg.factor:g} x the median {self.median.median():.3g}"
+        self.median.update(rms)
+        return None
 
 
 @torch.no_grad()

@@ -82,6 +82,7 @@ from locomm.config import ConfigError
 @click.option("--announce-file", type=click.Path(dir_okay=False, path_type=Path), hidden=True)
 @click.option("--final-weights", type=click.Path(dir_okay=False, path_type=Path), hidden=True)
 @click.option("--until-round", type=int, hidden=True)
+@click.option("--attack", hidden=True, help="Benchmarks only: this peer lies (protocol/attacks.py ATTACKS).")
 @click.option("--wait-for-peers", type=int, default=0, help="Before training, wait up to a minute for N peers.")
 @click.option(
     "--stage",
@@ -113,6 +114,7 @@ def join(
     announce_file: Path | None,
     final_weights: Path | None,
     until_round: int | None,
+    attack: str | None,
     wait_for_peers: int,
     stage: str | None,
     as_json: bool,
@@ -141,6 +143,11 @@ def join(
         if checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every: must be >= 1, got {checkpoint_every}")
         swarm_key = check_swarm_key(swarm_key)
+        if attack is not None:
+            from locomm.protocol.attacks import ATTACKS  # noqa: PLC0415 - imports torch
+
+            if attack not in ATTACKS:
+                raise ConfigError(f"--attack: one of {', '.join(ATTACKS)}; got {attack!r}")
     except ConfigError as e:
         fail(str(e))
     from locomm.cli.daemon import run_node  # noqa: PLC0415 - imports torch and hivemind
@@ -165,6 +172,7 @@ def join(
         announce_file=announce_file,
         final_weights=final_weights,
         until_round=until_round,
+        attack=attack,
         wait_for_peers=wait_for_peers,
         verbose=verbose,
         quiet=quiet,

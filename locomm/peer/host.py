@@ -90,6 +90,8 @@ class NodeOptions:
     """Write this node's multiaddrs here once it is up (used by `locomm-peer swarm`)."""
     final_weights: Path | None = None
     """Write the final outer weights here (safetensors) on a clean finish."""
+    attack: str | None = None
+    """Benchmarks only: this peer sends an attacker's updates (``protocol/attacks.py``)."""
     spec_from_user: bool = True
     """False when the spec is only a default: a joiner then takes the swarm's without comparing."""
     reporter: Any = None

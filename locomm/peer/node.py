@@ -31,7 +31,7 @@ from locomm import __version__
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.host import Host, NodeOptions, SpecMismatch
-from locomm.peer.partners import Partners
+from locomm.peer.partners import Partners, note_screening
 from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
@@ -43,9 +43,9 @@ __all__ = ["Node", "NodeOptions", "SpecMismatch"]
 log = logging.getLogger(__name__)
 JOIN_MARGIN_ROUNDS = 2
 STATE_ATTEMPTS = 3
+"""Whole state downloads a joiner tries before it starts from the initial weights."""
 DONORS = 5
 """Peers a joiner asks for their state (the state most of them agree on wins; see peer/state.py)."""
-"""Whole state downloads a joiner tries before it starts from the initial weights."""
 
 
 class Node:
@@ -61,6 +61,7 @@ class Node:
         self.opts = opts
         self.host: Host
         self.roster: Partners
+        self._attack_gen = torch.Generator().manual_seed(spec.train.seed)
         self.averager: Any = None
         self.round = self.join_round = 0
         self.end_round: int | None = None
@@ -92,8 +93,20 @@ class Node:
             encoded=self.algo.payload_encoded,
         )
         self.rounds = schedule.Rounds(
-            self.algo, self.spec.outer.inner_steps, overlap=True, apply_delay_steps=self.spec.outer.apply_delay_steps
+            self.algo,
+            self.spec.outer.inner_steps,
+            overlap=True,
+            apply_delay_steps=self.spec.outer.apply_delay_steps,
+            defence=self.spec.defence,
         )
+
+    def _sent_params(self) -> dict[str, torch.Tensor]:
+        """The weights a round's plan sends from: our own, or (``--attack``, benchmarks only) an attacker's."""
+        if self.opts.attack is None:
+            return self.params()
+        from locomm.protocol.attacks import corrupt  # noqa: PLC0415 - benchmarks only
+
+        return corrupt(self.opts.attack, self.params(), self.algo.phi, self._attack_gen)
 
     def _load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_state(tensors, self.params(), self.algo)
@@ -276,14 +289,8 @@ class Node:
                 log.warning("could not download state from %d donors; starting from the initial weights", len(donors))
                 host.events.write("sync_failed", donors=len(donors))
             else:
-                host.events.write(
-                    "synced",
-                    donor_round=got.round,
-                    tensors=len(got.tensors),
-                    rule=got.rule,
-                    donors=len(got.donors),
-                    faulted=len(got.faulted),
-                )
+                info = dict(donor_round=got.round, tensors=len(got.tensors), rule=got.rule, faulted=len(got.faulted))
+                host.events.write("synced", donors=len(got.donors), **info)
                 log.info("synced state of round %d from %d donor(s) by %s", got.round, len(got.donors), got.rule)
         self.round = self.join_round
         self.trainer.step = self.round * self.spec.outer.inner_steps
@@ -301,6 +308,7 @@ class Node:
         """The pending round's outer update, one round late, keeping local progress (protocol/rounds.py)."""
         r = self.rounds.settle(self.params(), received)
         self._snapshot(r if r is not None else self.round)
+        note_screening(self.host, r, self.rounds.outcome)
 
     async def _exchange(self, round_idx: int, planned: schedule.Planned) -> tuple[dict[str, Any], int]:
         """Everything the outer rule needs (our own payload included), and how many partners answered."""
@@ -375,7 +383,7 @@ class Node:
                 fresh_s=self.spec.network.heartbeat_ttl_s,
                 now=host.dht_now(),
             )
-            planned = await host.compute(self.rounds.start, self.round, members, self.params())
+            planned = await host.compute(self.rounds.start, self.round, members, self._sent_params())
             self.roster.planned_round(self.round, planned.exchange.peers)
             self.members, self.partners = len(members), len(planned.exchange.peers)
             pending = host.spawn(self._exchange(self.round, planned))

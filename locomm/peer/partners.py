@@ -1,8 +1,10 @@
-"""A data-parallel peer's partners: who may push to it in a round, and by when their payloads are due.
+"""A peer's partners: who may push to it in a round, by when their payloads are due, and what the
+poisoning defence did to their updates.
 
-Both read the heartbeats the host holds and compute what every peer computes alike (``protocol/``): the
-round's members and partners (:func:`~locomm.protocol.schedule.round_partners`), a partner's ETA
-(:func:`~locomm.protocol.timing.partner_eta`).
+The first two read the heartbeats the host holds and compute what every peer computes alike
+(``protocol/``): the round's members and partners (:func:`~locomm.protocol.schedule.round_partners`), a
+partner's ETA (:func:`~locomm.protocol.timing.partner_eta`). :func:`note_screening` turns a round's
+screening (``protocol/defence.py``) into faults and events, for both peer modes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 
 from locomm.config import RunSpec
 from locomm.peer.host import Host
+from locomm.protocol.defence import Screened
 from locomm.protocol.membership import members_for_round
 from locomm.protocol.schedule import round_partners
 from locomm.protocol.timing import partner_eta
@@ -77,3 +80,18 @@ class Partners:
             return now + (at - now_wall)
 
         return eta
+
+
+def note_screening(host: Host, round_idx: int | None, outcome: Screened) -> None:
+    """A rejected update is a fault against its sender (the round went on without it); clipped ones and a
+    DiLoCo fallback are logged and written to the event log."""
+    for sender, why in outcome.rejected:
+        host.faults.record(str(sender), f"round {round_idx}: update rejected: {why}")
+    if outcome.rejected or outcome.clipped or outcome.fallback:
+        host.events.write(
+            "screened",
+            round=round_idx,
+            rejected=[str(p) for p, _ in outcome.rejected],
+            clipped={str(p): scale for p, scale in outcome.clipped},
+            fallback=outcome.fallback,
+        )

@@ -34,10 +34,12 @@ from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
 from locomm.peer.host import Host, NodeOptions
+from locomm.peer.partners import note_screening
 from locomm.peer.stage_service import Lost, StageService, eval_mid
 from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
+from locomm.protocol.defence import Defence
 from locomm.protocol.membership import Heartbeat, live, members_for_round, pick_stage, robust_top
 from locomm.protocol.timing import sibling_wait_s
 from locomm.train.stage import StageWorker
@@ -112,6 +114,7 @@ class Stage:
         self.coder = BoundaryCoder(spec, self.geo)
         self.worker = StageWorker(spec, self.stage, geo=self.geo, device=resolve_device(self.opts.device))
         self.algo = build_outer(spec.outer, self.params(), self.host.me)
+        self.defence = Defence(spec.defence, self.algo)
         self.codec = PayloadCodec(
             {k: tuple(v.shape) for k, v in self.params().items()},
             self.algo.payload_roles,
@@ -396,7 +399,9 @@ class Stage:
         await self.svc.quiesced(self._apply, planned, planned.received(self.host.me, got))
 
     def _apply(self, planned: schedule.Planned, received: dict[str, Any]) -> None:
-        schedule.apply_late(self.algo, planned.round_idx, self.params(), planned.sent, received)
+        outcome = schedule.apply_late(self.algo, planned.round_idx, self.params(), planned.sent, received, self.defence)
+        if outcome is not None:
+            note_screening(self.host, planned.round_idx, outcome)
         self._snapshot(planned.round_idx)
         self.worker.module.project_()
 

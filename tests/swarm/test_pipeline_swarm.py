@@ -34,19 +34,21 @@ def pipe_spec() -> RunSpec:
     return spec.replace("pipeline", stages=2, micro_batch_size=4, in_flight=2, stage_timeout_s=20.0)
 
 
-async def probe(boot: str, spec: RunSpec) -> dict[str, list[int]]:
+async def probe(boot: str, spec: RunSpec, ident: str) -> dict[str, list[int]]:
     """Send malformed activation frames to every live stage-1 replica; returns the codes, in order."""
     from hivemind.dht import DHTNode
     from hivemind.p2p import P2P, PeerID
 
     from locomm.compression.boundary import BoundaryCoder
     from locomm.model.stages import Geometry
+    from locomm.peer.records import SwarmValidator
     from locomm.peer.swarm import read_heartbeats, store_heartbeat
     from locomm.protocol.membership import NOT_ADMITTED
 
     run = spec.hash()[:16]
-    client = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht = await DHTNode.create(p2p=client, initial_peers=[boot])
+    # Records are signed: the probe holds its identity's key.
+    client = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=ident)
+    dht = await DHTNode.create(p2p=client, initial_peers=[boot], record_validator=SwarmValidator.from_identity(ident))
     me = client.peer_id.to_base58()
     try:
         # Frames are taken only from a live replica of the previous stage: the probe announces itself as a
@@ -158,7 +160,8 @@ def test_pipeline_swarm_trains_routes_around_a_dead_replica_and_answers_bad_fram
         while not boot_file.exists() and time.monotonic() < deadline and t.is_alive():
             time.sleep(0.2)
         assert boot_file.exists(), "the first peer did not come up"
-        codes = asyncio.run(asyncio.wait_for(probe(boot_file.read_text().strip(), spec), 240))
+        boot = boot_file.read_text().strip()
+        codes = asyncio.run(asyncio.wait_for(probe(boot, spec, str(tmp_path / "probe.id")), 240))
     finally:
         t.join(timeout=400)
     assert not t.is_alive()

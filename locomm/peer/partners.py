@@ -83,14 +83,15 @@ class Partners:
 
 
 def note_screening(host: Host, round_idx: int | None, outcome: Screened) -> None:
-    """A rejected update is a fault against its sender (the round went on without it); clipped ones and a
-    DiLoCo fallback are logged and written to the event log."""
+    """A rejected update is a fault against its sender (the round went on without it). Every applied round's
+    screening goes to the event log: whose updates were screened, rejected, clipped, and DiLoCo's fallback."""
     for sender, why in outcome.rejected:
         host.faults.record(str(sender), f"round {round_idx}: update rejected: {why}")
-    if outcome.rejected or outcome.clipped or outcome.fallback:
+    if round_idx is not None:
         host.events.write(
             "screened",
             round=round_idx,
+            senders=[str(p) for p in outcome.senders],
             rejected=[str(p) for p, _ in outcome.rejected],
             clipped={str(p): scale for p, scale in outcome.clipped},
             fallback=outcome.fallback,

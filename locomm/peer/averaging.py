@@ -10,6 +10,14 @@ Each round the worker's pseudo-gradients (phi - theta) go into the averager's
 tensors, one ``step()`` all-reduces them over whoever matched into the group, and
 the protocol core's DiLoCo rule is applied to the mean. A failed or timed-out
 step is data: the round goes on with this worker's own pseudo-gradient.
+
+The mean comes back as one payload under ``GROUP_MEAN``, with no sender: the
+averager cannot attribute contributions. The poisoning defence
+(``protocol/defence.py``, run by ``Rounds.settle`` for both transports) screens
+it: a non-finite mean, or one whose norm exceeds ``defence.diloco_factor`` x the
+own pseudo-gradient's, falls back to the own step (``Rounds.fallback``). That
+bounds how far one round can throw a peer; it does not stop an attacker whose
+contribution keeps the mean under the bound, and it names nobody to ban.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from locomm.protocol.defence import GROUP_MEAN
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +100,7 @@ class AveragerExchange:
         # hivemind keeps no byte counters: a butterfly all-reduce over N peers sends (and receives)
         # (N-1)/N of the payload twice (scatter-reduce, then all-gather of the averaged parts).
         nbytes = sum(v.numel() * v.element_size() for v in payload.values())
-        return {"group-mean": mean}, group - 1, int(2 * nbytes * (group - 1) / max(1, group))
+        return {GROUP_MEAN: mean}, group - 1, int(2 * nbytes * (group - 1) / max(1, group))
 
     def shutdown(self) -> None:
         self.averager.shutdown()

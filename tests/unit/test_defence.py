@@ -189,3 +189,16 @@ def test_config_round_trip_and_validation() -> None:
         DefenceConfig(factor=5.0, reject_factor=2.0)
     with pytest.raises(ConfigError, match="warmup"):
         DefenceConfig(window=2, warmup=3)
+
+
+def test_simulator_counts_the_attackers_exchanges(nano_spec, nano_splits) -> None:
+    from locomm.sim import Simulator  # noqa: PLC0415
+
+    spec = nano_spec.replace("outer", algo="noloco", inner_steps=2).replace("train", steps=6, eval_batches=1)
+    res = Simulator(spec, 4, splits=nano_splits, codec="none", eval_every=3, attackers={0: "scale100"}).run(3)
+    d = res.defence
+    assert d["attacker_exchanges"] >= 1 and d["attacker_rejected"] + d["attacker_clipped"] == d["attacker_exchanges"]
+    assert d["honest_rejected"] == d["honest_clipped"] == 0
+    assert all(map(math.isfinite, res.val_loss))
+    with pytest.raises(ConfigError, match="attackers"):
+        Simulator(spec, 4, splits=nano_splits, attackers={9: "scale100"})

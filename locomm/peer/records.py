@@ -296,6 +296,8 @@ class SwarmValidator(RecordValidatorBase):
         # Checked again here: hivemind hands the application values that skipped validate() (a dictionary
         # merged into one this node already held, its local storage and cache), and every value it returns
         # passes through here with its record. A record that fails reads as None, which no reader accepts.
+        # (swarm.drop_refused clears such records from local storage before a read, so that one read as
+        # None never hides a valid record that another node holds.)
         if not self.validate(record):
             return _REFUSED
         signed = _split(record.value)

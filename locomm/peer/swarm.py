@@ -18,6 +18,10 @@ import logging
 from typing import Any
 
 from hivemind.dht import DHTNode
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 
 from locomm import PROTOCOL_VERSION
@@ -27,6 +31,7 @@ from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat, members_for
 __all__ = [
     "MEMBER_LAG_ROUNDS",
     "Heartbeat",
+    "drop_refused",
     "fetch_spec",
     "members_for_round",
     "peer_ids_of",
@@ -63,8 +68,49 @@ async def publish_spec(
     )
 
 
+def drop_refused(dht: DHTNode, key: str) -> int:
+    """Drop from this node's storage and cache each record of ``key`` that its validator refuses now; the
+    number dropped.
+
+    A node's validator learns keys as it goes (a spec key once its owner's record verifies, the peers key
+    once a joiner knows its run), and a record stored before that was taken unchecked. hivemind's read
+    starts from what the node holds and keeps the value that expires last, checked only at the end: such a
+    record, with a far expiration, would hide the signed one and the read would return nothing.
+    """
+    validator = getattr(getattr(dht, "protocol", None), "record_validator", None)
+    if validator is None:
+        return 0
+    key_id = DHTID.generate(source=key)
+    key_bytes = key_id.to_bytes()
+    dumps = dht.protocol.serializer.dumps
+    dropped = 0
+    for store in (dht.protocol.storage, dht.protocol.cache):
+        held = store.get(key_id)
+        if held is None:
+            continue
+        if isinstance(held.value, DictionaryDHTValue):
+            items = list(held.value.items())
+            good = [
+                (sub, item)
+                for sub, item in items
+                if validator.validate(DHTRecord(key_bytes, dumps(sub), item.value, item.expiration_time))
+            ]
+            if len(good) < len(items):
+                dropped += len(items) - len(good)
+                del store[key_id]  # rebuilt from the good ones: the dictionary's own expiration was the bad one's
+                for sub, item in good:
+                    store.store_subkey(key_id, sub, item.value, item.expiration_time)
+        elif not validator.validate(
+            DHTRecord(key_bytes, DHTProtocol.IS_REGULAR_VALUE, held.value, held.expiration_time)
+        ):
+            dropped += 1
+            del store[key_id]
+    return dropped
+
+
 async def fetch_spec(dht: DHTNode, peer: str) -> dict[str, Any] | None:
     """The spec record ``peer`` signed (the validator refused any other), or None."""
+    drop_refused(dht, spec_key(peer))
     found = await dht.get(spec_key(peer), latest=True)
     if found is None or not isinstance(found.value, dict):
         return None
@@ -82,6 +128,7 @@ async def store_heartbeat(dht: DHTNode, run_id: str, peer: str, record: dict[str
 
 async def read_heartbeats(dht: DHTNode, run_id: str) -> list[Heartbeat]:
     """The live, well-formed heartbeats of a run, sorted by peer id (malformed ones are dropped)."""
+    drop_refused(dht, peers_key(run_id))
     found = await dht.get(peers_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []

@@ -1,6 +1,10 @@
-"""Signed records against a live swarm: a raw hivemind forger cannot overwrite a heartbeat, wipe the peers
-key or replace the spec; a closed swarm keeps outsiders out (real `locomm-peer join` processes, real p2pd
-and DHT on loopback; the forger is a bare DHTNode/P2P in the test)."""
+"""Signed records against a live swarm (real `locomm-peer join` processes, real p2pd and DHT on loopback;
+forgers, outsiders and readers are bare hivemind DHTNode/P2P nodes in the test).
+
+One closed 3-peer swarm shows both halves of issue 17's records and closed-swarm must-shows: outsiders
+(without the key, with a wrong one) are kept out, and a forger holding the key (an insider) still cannot
+overwrite a heartbeat, wipe the peers key or replace the creator's spec. The open-swarm spec check needs
+no training peers: an in-process creator Host, a forger and a joiner Host."""
 
 from __future__ import annotations
 
@@ -12,12 +16,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from locomm import PROTOCOL_VERSION
+from locomm import PROTOCOL_VERSION, __version__
 from locomm.config import RunSpec
 from locomm.testing.launcher import Launcher, PeerProcess
 
 pytestmark = pytest.mark.timeout(240)
-ROUNDS_FOREVER = ("--until-round", "100000")
+EVIL = 2**31 - 1
 
 
 def _spec(tmp: Path) -> Path:
@@ -49,8 +53,21 @@ def _members(p: PeerProcess) -> list[str]:
     return rounds[-1]["member_ids"] if rounds else []
 
 
-async def _client(tmp: Path, name: str, boot: str, validator_cls=None, **kw):
-    """A bare P2P + DHTNode with an identity of its own; ``validator_cls(private_key, **kw)`` its validator."""
+def _forger_cls():
+    from locomm.peer.records import SwarmValidator
+
+    class Forger(SwarmValidator):
+        """Stores anything it is given (it is the forger's own node); signs with the forger's own key."""
+
+        def validate(self, record) -> bool:
+            return True
+
+    return Forger
+
+
+async def _client(tmp: Path, name: str, boot: str, validator_cls=None, *, guard=None, **kw):
+    """A bare P2P + DHTNode with an identity of its own; ``validator_cls(private_key, **kw)`` its validator,
+    ``guard(validator)`` called before the node joins (as a Host sets its validator up)."""
     from hivemind.dht import DHTNode
     from hivemind.p2p import P2P
 
@@ -59,6 +76,8 @@ async def _client(tmp: Path, name: str, boot: str, validator_cls=None, **kw):
     ident = tmp / f"{name}.id"
     p2p = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(ident))
     validator = validator_cls(load_identity(ident), **kw) if validator_cls else None
+    if guard is not None:
+        guard(validator)
     dht = await DHTNode.create(p2p=p2p, initial_peers=[boot], record_validator=validator)
     return p2p, dht, validator
 
@@ -68,110 +87,126 @@ async def _shut(*nodes) -> None:
         await n.shutdown()
 
 
-def test_forged_records_are_refused(tmp_path: Path, launcher: Launcher) -> None:
-    """(a) another peer's heartbeat with a far expiration and join_round 2^31-1, (b) a plain value on the
-    peers key, (c) another spec under the creator's key and under the forger's own: honest peers keep
-    every honest heartbeat, and a joiner without --config takes the creator's spec."""
+def _forged_spec_record(closed: bool) -> tuple[RunSpec, dict]:
+    forged = RunSpec.preset("nano").replace("data", corpus="~")  # the owner's home folder, were it adopted
+    return forged, {"hash": forged.hash(), "toml": forged.to_toml(), "version": PROTOCOL_VERSION, "closed": closed}
+
+
+async def _open_swarm_spec(tmp: Path, cfg: Path) -> dict:
+    """An open swarm: a forger stores another spec under the creator's key and under its own, and one under
+    the key of a joiner that has not joined yet. The joiner, without --config, takes the creator's spec; the
+    creator, which took the joiner's forgery before it knew whose key that was (a validator learns a peer's
+    spec key once that peer's record verifies), still reads the joiner's own spec."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.p2p import P2P
     from hivemind.utils import get_dht_time
 
-    from locomm.peer.records import SwarmValidator, peers_key, spec_key
-    from locomm.peer.swarm import fetch_spec, read_heartbeats
-
-    cfg = _spec(tmp_path)
-    together = (*ROUNDS_FOREVER, "--wait-for-peers", "3")  # nobody trained before all joined: no state sync
-    a = launcher.start("a", *together, "--shard", "0/3", config=cfg)
-    boot = a.address()
-    b = launcher.start("b", *together, "--shard", "1/3", config=cfg, initial_peers=boot)
-    c = launcher.start("c", *together, "--shard", "2/3", config=cfg, initial_peers=boot)
-    honest = (a, b, c)
-    _wait(lambda: all(p.events("started") for p in honest), 90, "three peers up", honest)
-    ids = {p.name: p.events("started")[0]["peer"] for p in honest}
-    run = a.events("started")[0]["run"]
-    _wait(lambda: all(len(_members(p)) == 3 for p in honest), 90, "a round of three", honest)
-
-    class Forger(SwarmValidator):
-        def validate(self, record) -> bool:  # stores anything it is given, signs with its own key
-            return True
-
-    forged_spec = RunSpec.preset("nano").replace("data", corpus="~")
-
-    async def attack() -> dict:
-        p2p, dht, forger = await _client(tmp_path, "forger", boot, Forger)
-        far = get_dht_time() + 10**6
-        key = peers_key(run)
-        forged = {"round": 2**31 - 1, "join_round": 2**31 - 1, "time": get_dht_time(), "version": "evil"}
-        await dht.store(key, subkey=ids["b"], value=forged, expiration_time=far)  # (a)
-        await dht.store(key, value="wiped", expiration_time=far + 1)  # (b)
-        record = {"hash": forged_spec.hash(), "toml": forged_spec.to_toml(), "version": PROTOCOL_VERSION}
-        await dht.store(spec_key(ids["a"]), {**record, "closed": False}, expiration_time=far)  # (c)
-        await dht.store(spec_key(forger.peer_id), {**record, "closed": False}, expiration_time=far)
-        # An honest reader (as every peer and `status` read): what verifies is all honest, with its own values.
-        rp2p, rdht, reader = await _client(tmp_path, "reader", boot, SwarmValidator)
-        reader.set_run(run, 3.0)
-        reader.trust(ids["a"])
-        beats, spec = [], None
-        for _ in range(20):  # a fresh node's first lookups can miss (its routing table is still filling)
-            beats = await read_heartbeats(rdht, run)
-            spec = await fetch_spec(rdht, ids["a"])
-            if len(beats) == 3 and spec is not None:
-                break
-            await asyncio.sleep(0.3)
-        await _shut(rdht, rp2p, dht, p2p)
-        return {"beats": beats, "spec": spec, "refused": reader.refused}
-
-    at_attack = {p.name: p.round() for p in honest}
-    seen = asyncio.run(attack())
-    assert sorted(b.peer for b in seen["beats"]) == sorted(ids.values())
-    assert all(b.join_round < 2**31 - 1 and b.version != "evil" for b in seen["beats"])
-    assert seen["spec"]["hash"] != forged_spec.hash() and seen["spec"]["toml"] == RunSpec.load(cfg).to_toml()
-    # Each honest peer trains on with all three: its rounds after the attack count every honest peer.
-    _wait(lambda: all(p.round() >= at_attack[p.name] + 3 for p in honest), 90, "rounds after the attack", honest)
-    for p in honest:
-        assert sorted(_members(p)) == sorted(ids.values()), (p.name, _members(p))
-    # A joiner without --config (a host whose spec is only the default) takes the creator's spec.
     from locomm.peer.host import Host, NodeOptions
+    from locomm.peer.records import SwarmValidator, load_identity, spec_key
+    from locomm.peer.swarm import fetch_spec
 
-    async def joiner() -> str:
-        async with Host(RunSpec.preset("nano"), NodeOptions(initial_peers=(boot,), spec_from_user=False)) as host:
-            return host.run_id
+    spec = RunSpec.load(cfg)
+    ident = tmp / "open-joiner.id"
+    P2P.generate_identity(str(ident))
+    jid = SwarmValidator(load_identity(ident)).peer_id
+    out: dict = {"hash": spec.hash()}
+    async with Host(spec, NodeOptions()) as creator:
+        boot = str(creator.maddrs[0])
+        p2p, dht, forger = await _client(tmp, "open-forger", boot, _forger_cls())
+        forged, record = _forged_spec_record(closed=False)
+        out["forged"] = forged.hash()
+        far = get_dht_time() + 10**6
+        at_creator, at_joiner = DHTID.generate(source=spec_key(creator.me)), DHTID.generate(source=spec_key(jid))
+        await dht.store(spec_key(creator.me), record, expiration_time=far)
+        await dht.store(spec_key(jid), record, expiration_time=far)
+        # Its own key with a valid expiration is taken: a second, validly signed spec in this DHT, which a
+        # joiner that names the creator must not adopt.
+        out["own_taken"] = await dht.store(spec_key(forger.peer_id), record, get_dht_time() + 600, exclude_self=True)
+        held = creator.dht.protocol.storage.get(at_creator)
+        out["creator_refused"] = held is not None and held.expiration_time < far  # it holds its own
+        held = creator.dht.protocol.storage.get(at_joiner)
+        out["creator_took_joiner_forgery"] = held is not None and held.expiration_time >= far
+        opts = NodeOptions(initial_peers=(boot,), spec_from_user=False, identity=ident)
+        async with Host(RunSpec.preset("nano"), opts) as joiner:
+            assert joiner.me == jid
+            out["joiner"] = joiner.spec.hash()
+            out["joiner_run"], out["creator_run"] = joiner.run_id, creator.run_id
+            got = await fetch_spec(creator.dht, jid)
+            out["joiner_spec_at_creator"] = got and got["hash"]
+        await _shut(dht, p2p)
+    return out
 
-    assert asyncio.run(joiner()) == run
 
+def test_forged_records_and_outsiders_are_refused(tmp_path: Path, launcher: Launcher) -> None:
+    """A closed 3-peer swarm. Outsiders: a `join` without the key or with a wrong one exits 2 within 60 s
+    with a one-line error; a raw outsider's own heartbeat and spec are refused (not admitted by the key), its
+    push, pull and state requests get UNAUTHORIZED, and no peer ever counts it. An insider forger (it holds
+    the key) stores (a) another peer's heartbeat with a far expiration and join_round 2^31-1, (b) a plain
+    value on the peers key with a later expiration, (c) another spec under the creator's key: every honest
+    node refuses each, the honest peers train on counting all three with their own values, `status
+    --swarm-key` lists exactly them with their own records and the creator's spec, and a joiner without
+    --config takes the creator's spec. Plus the open swarm's spec check (``_open_swarm_spec``)."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils import get_dht_time
 
-def test_a_closed_swarm_keeps_outsiders_out(tmp_path: Path, launcher: Launcher) -> None:
-    """Without the key (or with a wrong one) a join exits 2 within 60 s; a raw outsider's pull and state
-    request get UNAUTHORIZED; `status` with the key lists the key holders only."""
     from locomm.cli.status import snapshot
-    from locomm.peer.records import SwarmValidator
-    from locomm.peer.swarm import store_heartbeat
-    from locomm.protocol.messages import ErrorCode, pull_header, state_manifest_header
+    from locomm.peer.host import Host, NodeOptions
+    from locomm.peer.records import SwarmKey, SwarmValidator, peers_key, spec_key
+    from locomm.peer.swarm import fetch_spec
+    from locomm.protocol.messages import ErrorCode, pull_header, push_header, state_manifest_header
 
     cfg = _spec(tmp_path)
     key, wrong = tmp_path / "swarm.key", tmp_path / "wrong.key"
     key.write_bytes(os.urandom(32))
     wrong.write_bytes(os.urandom(32))
-    holder = (*ROUNDS_FOREVER, "--wait-for-peers", "2", "--swarm-key", str(key))
-    e = launcher.start("e", *holder, "--shard", "0/2", config=cfg)
-    boot = e.address()
+    closed = ("--until-round", "100000", "--wait-for-peers", "3", "--swarm-key", str(key))
+    a = launcher.start("a", *closed, "--shard", "0/3", config=cfg)
+    boot = a.address()
     t0 = time.monotonic()
-    h = launcher.start("h", *holder, "--shard", "1/2", config=cfg, initial_peers=boot)
+    b = launcher.start("b", *closed, "--shard", "1/3", config=cfg, initial_peers=boot)
+    c = launcher.start("c", *closed, "--shard", "2/3", config=cfg, initial_peers=boot)
     nokey = launcher.start("nokey", initial_peers=boot)
     badkey = launcher.start("badkey", "--swarm-key", str(wrong), initial_peers=boot)
-    assert nokey.wait(timeout=60) == 2 and badkey.wait(timeout=max(1.0, 60 - (time.monotonic() - t0))) == 2
+    honest = (a, b, c)
+
+    # While the swarm comes up: the open swarm's spec check (in-process nodes of its own).
+    opened = asyncio.run(asyncio.wait_for(_open_swarm_spec(tmp_path, cfg), 90))
+    assert opened["creator_refused"] and opened["own_taken"], opened
+    assert opened["joiner"] == opened["hash"] != opened["forged"], opened
+    assert opened["joiner_run"] == opened["creator_run"], opened
+    assert opened["creator_took_joiner_forgery"], opened  # the forgery sat in the creator's storage ...
+    assert opened["joiner_spec_at_creator"] == opened["hash"], opened  # ... and hid nothing
+
+    # Outsiders' joins: status 2 within 60 s, one line.
+    assert nokey.wait(timeout=max(1.0, 60 - (time.monotonic() - t0))) == 2, nokey.tail()
+    assert badkey.wait(timeout=max(1.0, 60 - (time.monotonic() - t0))) == 2, badkey.tail()
     assert time.monotonic() - t0 < 60
-    assert nokey.tail().strip().splitlines()[-1] == "error: this swarm is closed: pass --swarm-key"
-    assert "--swarm-key" in badkey.tail().strip().splitlines()[-1]
-    _wait(lambda: len(_members(e)) == 2 and len(_members(h)) == 2, 90, "the key holders train together", (e, h))
-    run, target = e.events("started")[0]["run"], e.events("started")[0]["peer"]
+    assert nokey.tail().strip().splitlines() == ["error: this swarm is closed: pass --swarm-key"], nokey.tail()
+    bad = badkey.tail().strip().splitlines()
+    assert len(bad) == 1 and bad[0].startswith("error: ") and "--swarm-key" in bad[0], bad
 
-    async def probe() -> dict:
-        from hivemind.p2p import PeerID
+    _wait(lambda: all(len(_members(p)) == 3 for p in honest), 90, "a round of three", honest)
+    ids = {p.name: p.events("started")[0]["peer"] for p in honest}
+    run = a.events("started")[0]["run"]
+    swarm_key = SwarmKey.load(key)
 
+    async def attack() -> dict:
+        out: dict = {}
+        pk = peers_key(run)
+        # An outsider (no key): its own, validly signed records are refused for lacking the key ...
         p2p, dht, me = await _client(tmp_path, "outsider", boot, SwarmValidator)
-        await store_heartbeat(dht, run, me.peer_id, {"round": 0, "join_round": 0}, 3.0)  # refused by the swarm
+        now = get_dht_time()
+        beat = {"round": 0, "join_round": 0, "time": now, "version": "outsider"}
+        _, own = _forged_spec_record(closed=True)
+        out["outsider_stored"] = [
+            await dht.store(pk, subkey=me.peer_id, value=beat, expiration_time=now + 3, exclude_self=True),
+            await dht.store(spec_key(me.peer_id), own, expiration_time=now + 600, exclude_self=True),
+        ]
 
+        # ... and every service refuses it before reading a body (the host's authorize hook reads the DHT
+        # afresh for a peer it has not seen: the stored heartbeat, had it been taken, would be seen).
         async def send(handler: str, header: dict) -> int:
-            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(target), handler)
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(ids["a"]), handler)
             raw = msgpack.packb(header)
             writer.write(len(raw).to_bytes(4, "big") + raw)
             await writer.drain()
@@ -180,16 +215,90 @@ def test_a_closed_swarm_keeps_outsiders_out(tmp_path: Path, launcher: Launcher) 
             writer.close()
             return resp["status"]
 
-        await asyncio.sleep(1.0)  # past the target's heartbeat read that would have seen our record
-        codes = {
-            "pull": await send(f"locomm.{run}.gossip", pull_header(run, 0, me.peer_id)),
+        rnd = a.round()
+        out["codes"] = {
+            "push": await send(f"locomm.{run}.gossip", push_header(run, rnd, me.peer_id, 7, 0, 1, {}, [])),
+            "pull": await send(f"locomm.{run}.gossip", pull_header(run, rnd, me.peer_id)),
             "state": await send(f"locomm.{run}.state", state_manifest_header(run, me.peer_id)),
         }
+        out["outsider"] = me.peer_id
         await _shut(dht, p2p)
-        return codes
 
-    assert asyncio.run(probe()) == {"pull": ErrorCode.UNAUTHORIZED, "state": ErrorCode.UNAUTHORIZED}
-    admitted = {p.events("started")[0]["peer"] for p in (e, h)}
-    view = asyncio.run(asyncio.wait_for(snapshot([boot], key), 60))
-    assert view["closed"] and {p["peer"] for p in view["peers"]} == admitted, view
-    assert "closed" in asyncio.run(asyncio.wait_for(snapshot([boot]), 60))["error"]
+        # An insider forger (it holds the key): what it writes in others' names is refused by every honest node
+        # (exclude_self: the answer is the honest replicas', not its own storage's).
+        p2p, dht, forger = await _client(tmp_path, "insider", boot, _forger_cls(), swarm_key=swarm_key)
+        now = get_dht_time()
+        far = now + 10**6
+        out["at_attack"] = {p.name: p.round() for p in honest}
+        forged_beat = {"round": EVIL, "join_round": EVIL, "time": now, "version": "evil"}
+        forged, record = _forged_spec_record(closed=True)
+        out["forged_hash"] = forged.hash()
+        out["insider_stored"] = {
+            "heartbeat": await dht.store(
+                pk, subkey=ids["b"], value=forged_beat, expiration_time=far, exclude_self=True
+            ),
+            "wipe": await dht.store(pk, value="wiped", expiration_time=far + 1, exclude_self=True),
+            "spec": await dht.store(spec_key(ids["a"]), record, expiration_time=far, exclude_self=True),
+            # Its own spec, validly signed and admitted: taken (the refusals above are the rules', not the key's).
+            "own_spec": await dht.store(spec_key(forger.peer_id), record, now + 600, exclude_self=True),
+        }
+        await _shut(dht, p2p)
+
+        # An honest reader of the records (guarded as a peer is, from the start): the heartbeats' dictionary is
+        # signed by its owners only, and the creator's spec is the creator's.
+        def guard(v: SwarmValidator) -> None:
+            v.set_run(run, 3.0)
+            v.trust(ids["a"])
+
+        rp2p, rdht, _ = await _client(tmp_path, "reader", boot, SwarmValidator, guard=guard, swarm_key=swarm_key)
+        for _ in range(20):  # a fresh node's first lookups can miss (its routing table is still filling)
+            found = await rdht.get(pk, latest=True)
+            out["raw"] = {s: getattr(v, "value", None) for s, v in found.value.items()} if found is not None else {}
+            out["after_read"] = {p.name: p.round() for p in honest}
+            out["spec"] = await fetch_spec(rdht, ids["a"])
+            if len(out["raw"]) >= 3 and out["spec"] is not None:
+                break
+            await asyncio.sleep(0.3)
+        await _shut(rdht, rp2p)
+        # `status` with the key (the user's view; read again while a fresh client misses some) and without it.
+        out["status"] = []
+        for _ in range(5):
+            out["status"].append(await asyncio.wait_for(snapshot([boot], key), 60))
+            if len(out["status"][-1].get("peers", ())) >= 3:
+                break
+        out["status_nokey"] = await asyncio.wait_for(snapshot([boot]), 60)
+        # A joiner without --config (its spec only the default), holding the key.
+        opts = NodeOptions(initial_peers=(boot,), spec_from_user=False, swarm_key=key)
+        async with Host(RunSpec.preset("nano"), opts) as joiner:
+            out["joiner_run"] = joiner.run_id
+        return out
+
+    seen = asyncio.run(asyncio.wait_for(attack(), 120))
+    at_attack = seen["at_attack"]
+    assert seen["outsider_stored"] == [False, False], seen["outsider_stored"]
+    assert seen["codes"] == {k: ErrorCode.UNAUTHORIZED for k in ("push", "pull", "state")}, seen["codes"]
+    assert seen["insider_stored"] == {"heartbeat": False, "wipe": False, "spec": False, "own_spec": True}, seen
+    # (a), (b): the peers key is still the dictionary of the three honest heartbeats, each with its own values.
+    assert sorted(seen["raw"]) == sorted(ids.values()), seen["raw"]
+    for name, peer in ids.items():  # its own values: this version's, its own round (as its log says)
+        v = seen["raw"][peer]
+        assert isinstance(v, dict) and v["version"] == __version__ and v["join_round"] < EVIL, v
+        assert at_attack[name] - 1 <= v["round"] <= seen["after_read"][name] + 1, (name, v, at_attack)
+    # (c): the creator's spec, and a joiner (with the key, without --config) takes it.
+    want = RunSpec.load(cfg)
+    assert seen["spec"]["hash"] == want.hash() != seen["forged_hash"] and seen["spec"]["toml"] == want.to_toml()
+    assert seen["joiner_run"] == run
+    # `status --swarm-key` lists exactly the admitted peers, with their own values; without the key: closed.
+    for view in seen["status"]:  # never anyone else, and (the last) every one of them
+        assert view["closed"] and view["spec_hash"] == want.hash(), view
+        assert {p["peer"] for p in view["peers"]} <= set(ids.values()), view
+        assert all(p["join_round"] < EVIL and p["version"] == __version__ for p in view["peers"]), view
+    assert sorted(p["peer"] for p in seen["status"][-1]["peers"]) == sorted(ids.values()), seen["status"]
+    assert "closed" in seen["status_nokey"]["error"], seen["status_nokey"]
+
+    # The honest peers train on counting every honest peer, and never the outsider, in the rounds after the attack.
+    _wait(lambda: all(p.round() >= at_attack[p.name] + 3 for p in honest), 90, "rounds after the attack", honest)
+    for p in honest:
+        after = [r for r in p.events("round") if r["round"] > at_attack[p.name]]
+        assert len(after) >= 2 and all(sorted(r["member_ids"]) == sorted(ids.values()) for r in after), (p.name, after)
+        assert not any(seen["outsider"] in r["member_ids"] for r in p.events("round")), p.name

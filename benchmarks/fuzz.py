@@ -62,9 +62,8 @@ from locomm.protocol.messages import (
     pack_frame,
     pull_header,
     push_header,
-    state_fetch_header,
-    state_manifest_header,
 )
+from locomm.protocol.state_messages import state_fetch_header, state_manifest_header
 from locomm.testing.launcher import Launcher, PeerProcess
 
 import _harness

@@ -50,10 +50,9 @@ import torch
 from hivemind.p2p import P2P
 
 from locomm.peer.rpc import Call, Limits, Link, Service, request
-from locomm.protocol.messages import (
+from locomm.protocol.messages import ErrorCode, ProtocolViolation
+from locomm.protocol.state_messages import (
     MAX_NAMES_PER_REQUEST,
-    ErrorCode,
-    ProtocolViolation,
     state_fetch_header,
     state_manifest_header,
     validate_manifest,

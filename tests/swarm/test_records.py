@@ -153,7 +153,8 @@ def test_forged_records_and_outsiders_are_refused(tmp_path: Path, launcher: Laun
     from locomm.peer.host import Host, NodeOptions
     from locomm.peer.records import SwarmKey, SwarmValidator, peers_key, spec_key
     from locomm.peer.swarm import fetch_spec
-    from locomm.protocol.messages import ErrorCode, pull_header, push_header, state_manifest_header
+    from locomm.protocol.messages import ErrorCode, pull_header, push_header
+    from locomm.protocol.state_messages import state_manifest_header
 
     cfg = _spec(tmp_path)
     key, wrong = tmp_path / "swarm.key", tmp_path / "wrong.key"

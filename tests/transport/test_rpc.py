@@ -831,7 +831,7 @@ def test_state_fetch_is_served_from_the_previous_snapshot_too(pool):
     """A joiner whose download spans a round boundary finishes against the manifest it was given; a state
     two snapshots old is NOT_READY ("moved on"), which is not a fault."""
     from locomm.peer.state import Snapshot, StateServer
-    from locomm.protocol.messages import state_fetch_header
+    from locomm.protocol.state_messages import state_fetch_header
 
     async def body():
         h = Harness(pool)

@@ -123,7 +123,7 @@ def manifest(entries=None, **over):
 
 
 def test_a_manifest_in_bounds_is_accepted_and_normalised():
-    from locomm.protocol.messages import validate_manifest
+    from locomm.protocol.state_messages import validate_manifest
 
     rnd, h, entries = validate_manifest(manifest())
     assert (rnd, h) == (3, "cd" * 32)
@@ -152,7 +152,7 @@ def test_a_manifest_in_bounds_is_accepted_and_normalised():
     ids=lambda x: x.name if isinstance(x, ErrorCode) else "",
 )
 def test_a_manifest_out_of_bounds_is_refused_before_anything_is_sized_from_it(resp, code):
-    from locomm.protocol.messages import validate_manifest
+    from locomm.protocol.state_messages import validate_manifest
 
     with pytest.raises(ProtocolViolation) as e:
         validate_manifest(resp)
@@ -160,7 +160,8 @@ def test_a_manifest_out_of_bounds_is_refused_before_anything_is_sized_from_it(re
 
 
 def test_a_state_fetch_names_known_tensors_once_and_a_sha256():
-    from locomm.protocol.messages import Message, validate_state_fetch
+    from locomm.protocol.messages import Message
+    from locomm.protocol.state_messages import validate_state_fetch
 
     known = {"model/w": None, "model/b": None}
 

@@ -325,7 +325,9 @@ class BoundaryNorm:
     """The pipeline's poisoning bound: a micro-batch's activation (or gradient) whose RMS exceeds
     ``defence.factor`` x the running median of the accepted ones is refused (a fault against its sender; the
     micro-batch is re-routed or lost, the step goes on). No bound until ``defence.window`` values are held:
-    early training moves these sizes fast, and a median of a few is no reference."""
+    early training moves these sizes fast, and a median of a few is no reference. One far below the median
+    (under 1/factor of it) is taken but does not join the median: a sender of tiny tensors must not pull the
+    bound down until honest senders fail it."""
 
     def __init__(self, cfg: DefenceConfig) -> None:
         self.cfg = cfg
@@ -341,7 +343,8 @@ class BoundaryNorm:
         if bound is not None and rms > bound:
             self.refused += 1
             return f"RMS {rms:.3g} over {self.cfg.factor:g} x the median {self.median.median():.3g}"
-        self.median.update(rms)
+        if bound is None or rms * self.cfg.factor**2 >= bound:  # i.e. rms >= median / factor
+            self.median.update(rms)
         return None
 
 

@@ -27,3 +27,14 @@ def test_off_screens_nothing():
     for _ in range(40):
         assert norm.check(torch.ones(8)) is None
     assert norm.check(torch.ones(8) * 1e6) is None
+
+
+def test_tiny_tensors_do_not_pull_the_bound_below_honest_ones():
+    gen = torch.Generator().manual_seed(1)
+    norm = BoundaryNorm(DefenceConfig())
+    for _ in range(40):
+        assert norm.check(torch.randn(64, generator=gen)) is None
+    for _ in range(200):  # a sender of near-zero activations: taken, never moving the median
+        assert norm.check(torch.randn(64, generator=gen) * 1e-6) is None
+    for _ in range(20):
+        assert norm.check(torch.randn(64, generator=gen)) is None

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(420)
 
 def pipe_spec() -> RunSpec:
     spec = RunSpec.preset("nano").replace("data", batch_size=8, seq_len=64, max_corpus_mb=1.0)
-    spec = spec.replace("train", steps=16, eval_batches=2)
+    spec = spec.replace("train", steps=32, eval_batches=2)  # long enough for the kill at step 6 to be seen
     spec = spec.replace(
         "network",
         request_timeout_s=10.0,
@@ -54,7 +54,12 @@ async def probe(boot: str, spec: RunSpec, ident: str) -> dict[str, list[int]]:
         # Frames are taken only from a live replica of the previous stage: the probe announces itself as a
         # stage-0 replica (never routed to: nobody sends to stage 0) that is not admitted to any replica-sync
         # round (so no sibling waits for it).
-        await store_heartbeat(dht, run, me, {"round": 0, "join_round": NOT_ADMITTED, "stage": 0}, 60.0)
+        ttl = spec.network.heartbeat_ttl_s  # records expiring later than 2x the run's TTL are refused
+
+        async def announce() -> None:
+            await store_heartbeat(dht, run, me, {"round": 0, "join_round": NOT_ADMITTED, "stage": 0}, ttl)
+
+        await announce()
         targets: list[str] = []
         deadline = time.monotonic() + 120
         while len(targets) < 2 and time.monotonic() < deadline:
@@ -123,13 +128,15 @@ async def probe(boot: str, spec: RunSpec, ident: str) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {"status_stages": stages}
         for target in targets:
             codes = []
-            # Fresh (a heartbeat older than heartbeat_ttl_s is not a live replica's), as a live peer's would be.
-            await store_heartbeat(dht, run, me, {"round": 0, "join_round": NOT_ADMITTED, "stage": 0}, 60.0)
             try:
-                # Until the target has read our heartbeat from the DHT it refuses us (UNAUTHORIZED, no fault).
+                # Until the target has read our heartbeat from the DHT it refuses us (UNAUTHORIZED, no fault). The
+                # heartbeat is kept fresh, as a live peer's is (one older than heartbeat_ttl_s is not a replica's).
                 t_end = time.monotonic() + 60
+                await announce()
                 while await send(target, cases[0]) == ErrorCode.UNAUTHORIZED and time.monotonic() < t_end:
                     await asyncio.sleep(0.5)
+                    await announce()
+                await announce()
                 for raw in cases:
                     codes.append(await send(target, raw))
             except Exception:  # noqa: BLE001 - a replica the swarm killed meanwhile

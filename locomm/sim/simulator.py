@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from locomm.compression.payload import PayloadCodec
+from locomm.compression.payload import PayloadCodec, PayloadError
 from locomm.config import TENSOR_ROLES, ConfigError, RunSpec
 from locomm.data import BatchSampler, TokenSplits, load_corpus
 from locomm.protocol import DDP, Payload, build_outer
@@ -214,7 +214,10 @@ class Simulator:
                 wire.append(plan.payload)
                 sizes[w] = float(sum(v.numel() * v.element_size() for v in plan.payload.values()))
             else:
-                received, nbytes = self.coder.transmit(plan.payload)
+                try:
+                    received, nbytes = self.coder.transmit(plan.payload)
+                except PayloadError:  # the daemon's receivers answer NOT_FINITE (a fault): nobody takes it
+                    received, nbytes = None, float(self.coder.raw_bytes())
                 wire.append(received)
                 sizes[w] = nbytes
         raw = float(max(1, self.coder.raw_bytes())) if not butterfly else None
@@ -237,7 +240,13 @@ class Simulator:
             answered = [set(peers[w]) for w in self.members]
         res.records.append(rec)
         for w in self.members:
-            got = planned[w].received(w, {j: wire[j] for j in sorted(answered[w])})
+            refused = {j for j in answered[w] if wire[j] is None}
+            if w not in self.attackers:  # refused on the wire: counted as the screening would count a rejection
+                for j in refused:
+                    side = "attacker" if j in self.attackers else "honest"
+                    res.defence[f"{side}_exchanges"] += 1
+                    res.defence[f"{side}_rejected"] += 1
+            got = planned[w].received(w, {j: wire[j] for j in sorted(answered[w] - refused)})
             if butterfly:  # the daemon's count: (N-1)/N of the payload, twice, over the group that formed
                 g = len(answered[w]) + 1
                 res.bytes_sent[w] += 2 * (g - 1) / g * sizes[w]

@@ -266,7 +266,20 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
                 "wrong_type": await send(frame({**base, "round": "three"})),
                 "unauthorized": await send(frame(push(), body)),  # no heartbeat yet: not a member
             }
-            assert await store_heartbeat(dht, run, me, {"round": 0, "join_round": 0}, 60)
+            # A member as a live peer is one: its heartbeat kept fresh, at the target's round, within 2x the run's
+            # TTL (records expiring later are refused), so the target counts it, and pairs with it, every round.
+            ttl = spec.network.heartbeat_ttl_s
+
+            async def announce() -> bool:
+                return await store_heartbeat(dht, run, me, {"round": peer.round(), "join_round": 0}, ttl)
+
+            async def keep_announcing() -> None:
+                while True:
+                    await asyncio.sleep(spec.network.heartbeat_interval_s)
+                    await announce()
+
+            assert await announce()
+            beats = asyncio.create_task(keep_announcing())
             pull = frame({**base, "type": "pull"})
             for _ in range(60):  # until the target's view of the DHT holds our heartbeat: then NOT_READY
                 codes["pull"] = await send(pull)
@@ -279,6 +292,7 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
             codes["unknown_tensor"] = await send(frame(push(enc={"evil": 1})))
             codes["nan"] = await send(frame(push(xfer=8), body))
             codes["after_nine_faults"] = await send(frame(base))
+            beats.cancel()
             await dht.shutdown()
             await client.shutdown()
             return codes

@@ -2,7 +2,7 @@
 poisoning defence did to their updates.
 
 The first two read the heartbeats the host holds and compute what every peer computes alike
-(``protocol/``): the round's members and partners (:func:`~locomm.protocol.schedule.round_partners`), a
+(``protocol/``): the round's members (:func:`~locomm.protocol.membership.members_for_round`), a
 partner's ETA (:func:`~locomm.protocol.timing.partner_eta`). :func:`note_screening` turns a round's
 screening (``protocol/defence.py``) into faults and events, for both peer modes.
 """
@@ -16,7 +16,6 @@ from locomm.config import RunSpec
 from locomm.peer.host import Host
 from locomm.protocol.defence import Screened
 from locomm.protocol.membership import members_for_round
-from locomm.protocol.schedule import round_partners
 from locomm.protocol.timing import partner_eta
 
 KEEP_ROUNDS = 2
@@ -37,27 +36,29 @@ class Partners:
         for r in [r for r in self.planned if r < round_idx - KEEP_ROUNDS]:
             del self.planned[r]
 
-    def of(self, round_idx: int) -> set[str]:
-        """Our partners of ``round_idx`` from the heartbeats we hold."""
+    def members(self, round_idx: int) -> list[str]:
+        """The members of ``round_idx`` from the heartbeats we hold."""
         host = self.host
-        members = members_for_round(
+        return members_for_round(
             host.beats.values(), round_idx, host.me, fresh_s=self.spec.network.heartbeat_ttl_s, now=host.dht_now()
         )
-        return round_partners(self.spec.outer, round_idx, members, host.me)
 
     async def admit(self, remote: str, round_idx: int) -> bool:
         """Only this round's partners may send us a payload (checked before anything is buffered).
 
-        A round we planned uses the partners we planned with; a round we have not planned yet (the sender is
-        ahead) is computed the same way from the heartbeats we hold, then once more after a fresh read (the
-        sender's view may be newer than ours)."""
+        A round we planned admits exactly the partners we planned with. A round we have not planned yet (the
+        sender is ahead of us, or we are joining) admits any member of that round by the heartbeats we hold
+        (once more after a fresh read): our view of its groups may still change until we plan it (a joiner's
+        first read, a peer dropping out), and refusing a partner there costs the round its payload. The
+        payload budget (``Gossip``'s partners + 2) bounds what such early pushes can hold, and a payload from a
+        sender that turns out not to be a partner is never used."""
         planned = self.planned.get(round_idx)
         if planned is not None:
             return remote in planned
-        if remote in self.of(round_idx):
+        if remote in self.members(round_idx):
             return True
         await self.host.read_beats()
-        return remote in self.of(round_idx)
+        return remote in self.members(round_idx)
 
     def eta(self, round_idx: int, own_round_s: float) -> Callable[[str], float]:
         """Monotonic time by which a partner's payload of ``round_idx`` should be here (from its heartbeat)."""

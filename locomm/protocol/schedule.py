@@ -21,8 +21,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from locomm.config import OuterConfig
-
 
 def _rng(seed: int, round_idx: int, salt: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, round_idx + 1, salt]))
@@ -106,16 +104,3 @@ def gasloc_graph(
 def metropolis_weight(deg_i: int, deg_j: int) -> float:
     """Metropolis-Hastings edge weight: symmetric, so the mixing matrix is doubly stochastic."""
     return 1.0 / (1 + max(deg_i, deg_j))
-
-
-def round_partners(cfg: OuterConfig, round_idx: int, members: Sequence[int], me: int) -> set[int]:
-    """Whom ``me`` exchanges with in round ``round_idx`` under ``cfg``: what the algorithm's ``plan`` picks,
-    without a plan (a receiver checks a push's sender against it before it buffers anything)."""
-    if me not in members:
-        return set()
-    if cfg.algo == "noloco":
-        return set(group_of(me, noloco_groups(round_idx, members, cfg.group_size, cfg.seed))) - {me}
-    if cfg.algo == "gasloc":
-        graph = gasloc_graph(round_idx, members, cfg.topology, k=cfg.k_peers, p=cfg.participation, seed=cfg.seed)
-        return set(graph.get(me, ()))
-    return set(members) - {me}  # the collectives: every member

@@ -88,27 +88,6 @@ def test_a_flood_of_joiners_is_admitted_a_bounded_number_per_round_and_alike():
     assert len(members) == 8 + JOIN_CAP_MIN
 
 
-def test_round_partners_match_each_algorithms_plan():
-    import torch
-
-    from locomm.config import OuterConfig
-    from locomm.protocol import build_outer
-    from locomm.protocol.schedule import round_partners
-
-    params = {"w": torch.zeros(3)}
-    members = [f"m{i}" for i in range(7)]
-    for cfg in (
-        OuterConfig(algo="noloco", group_size=2, seed=3),
-        OuterConfig(algo="gasloc", topology="kpeers", k_peers=2, participation=0.7),
-        OuterConfig(algo="sparseloco"),
-    ):
-        for me in members:
-            algo = build_outer(cfg, params, me)
-            for r in range(6):
-                assert round_partners(cfg, r, members, me) == set(algo.plan(r, members, params).peers), (cfg.algo, r)
-    assert round_partners(OuterConfig(algo="noloco"), 0, members, "outsider") == set()
-
-
 def test_a_minority_claiming_a_far_round_does_not_set_the_swarms_round():
     from locomm.protocol.membership import swarm_round
 

@@ -96,6 +96,16 @@ def run_one(spec: RunSpec, algo: str, workers: int, rounds: int, splits, overlap
     return out
 
 
+def nano_spec(inner_steps: int) -> RunSpec:
+    """The simulator comparisons' setup: nano, batch 8 x 128, 8 evaluation batches (poisoning.py uses it too)."""
+    return (
+        RunSpec.preset("nano")
+        .replace("data", batch_size=8, seq_len=128)
+        .replace("outer", inner_steps=inner_steps)
+        .replace("train", eval_batches=8)
+    )
+
+
 def fmt_time(t: float) -> str:
     return "-" if math.isinf(t) else (f"{t:.1f}" if t < 1000 else f"{t:.0f}")
 
@@ -113,12 +123,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     torch.set_num_threads(2)
-    spec = (
-        RunSpec.preset("nano")
-        .replace("data", batch_size=8, seq_len=128)
-        .replace("outer", inner_steps=a.inner_steps)
-        .replace("train", eval_batches=8)
-    )
+    spec = nano_spec(a.inner_steps)
     splits = load_corpus(spec.data)
     tokens = a.rounds * a.inner_steps * spec.data.batch_size * spec.data.seq_len
     print(

@@ -23,6 +23,7 @@ import math
 import time
 
 import torch
+from algorithms import nano_spec
 
 from locomm.config import RunSpec
 from locomm.data import load_corpus
@@ -76,12 +77,7 @@ def main() -> None:
     ap.add_argument("--undefended", action="store_true", help="Also run each attack with the defence off")
     a = ap.parse_args()
     torch.set_num_threads(2)
-    spec = (
-        RunSpec.preset("nano")
-        .replace("data", batch_size=8, seq_len=128)
-        .replace("outer", inner_steps=a.inner_steps)
-        .replace("train", eval_batches=8)
-    )
+    spec = nano_spec(a.inner_steps)
     splits = load_corpus(spec.data)
     done = _harness.Entries(
         a.out,

@@ -402,19 +402,21 @@ class Host:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop.wait(), seconds)
 
+    async def recheck(self, ok: Callable[[], bool]) -> bool:
+        """``ok()`` now, else after one fresh DHT read (shared, at most one per 0.5 s: a flood costs one read)."""
+        if ok():
+            return True
+        if self._refresh is None or (self._refresh.done() and time.monotonic() - self._unknown_read > 0.5):
+            self._unknown_read = time.monotonic()
+            self._refresh = self.spawn(self.read_beats(), background=True)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._refresh)
+        return ok()
+
     async def authorize(self, remote: str, policy: str) -> bool:
         """The services' authorize hook: members for gossip, any announced peer for state sync and stages."""
-        beat = self.beats.get(remote)
-        if beat is None:  # a peer we have not seen yet: one DHT read, shared by its concurrent streams
-            if self._refresh is None or (self._refresh.done() and time.monotonic() - self._unknown_read > 0.5):
-                self._unknown_read = time.monotonic()
-                self._refresh = self.spawn(self.read_beats(), background=True)
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._refresh)
-            beat = self.beats.get(remote)
-        if beat is None:
-            return False
-        return policy == "announced" or beat.admitted
+        known = await self.recheck(lambda: remote in self.beats)
+        return known and (policy == "announced" or self.beats[remote].admitted)
 
     def dht_now(self) -> float:
         return get_dht_time()

@@ -55,10 +55,7 @@ class Partners:
         planned = self.planned.get(round_idx)
         if planned is not None:
             return remote in planned
-        if remote in self.members(round_idx):
-            return True
-        await self.host.read_beats()
-        return remote in self.members(round_idx)
+        return await self.host.recheck(lambda: remote in self.members(round_idx))
 
     def eta(self, round_idx: int, own_round_s: float) -> Callable[[str], float]:
         """Monotonic time by which a partner's payload of ``round_idx`` should be here (from its heartbeat)."""

@@ -367,14 +367,13 @@ class Stage:
         host.publish_soon()
 
     async def _admit_sync(self, remote: str, round_idx: int) -> bool:
-        """A replica-sync push is taken only from an admitted replica of this stage (one fresh read first)."""
-        for fresh in (False, True):
-            if fresh:
-                await self.host.read_beats()
+        """A replica-sync push is taken only from an admitted replica of this stage (one fresh, shared read first)."""
+
+        def sibling() -> bool:
             b = self.host.beats.get(remote)
-            if b is not None and b.stage == self.stage and b.admitted:
-                return True
-        return False
+            return b is not None and b.stage == self.stage and b.admitted
+
+        return await self.host.recheck(sibling)
 
     async def _settle_last(self, grace_s: float) -> None:
         if self.pending is not None:

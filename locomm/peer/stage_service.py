@@ -110,17 +110,15 @@ class StageService:
 
     async def _check_sender(self, remote: str) -> None:
         """Frames come only from a live replica of the previous stage (UNAUTHORIZED otherwise, before any body
-        is read); a sender we have not seen there yet gets one fresh DHT read first."""
+        is read); a sender we have not seen there yet gets one fresh (shared) DHT read first."""
         h, prev = self.host, self.stage - 1
 
         def is_prev() -> bool:
             b = h.beats.get(remote)
             return b is not None and b.stage == prev and remote in self.live_replicas(prev, suspects=True)
 
-        if not is_prev():
-            await h.read_beats()
-            if not is_prev():
-                raise ProtocolViolation(ErrorCode.UNAUTHORIZED, f"not a live replica of stage {prev}")
+        if not await h.recheck(is_prev):
+            raise ProtocolViolation(ErrorCode.UNAUTHORIZED, f"not a live replica of stage {prev}")
 
     def clock_ceiling(self, remote: str, frame_clock: int) -> int:
         """What a frame's clock may move ours to: at most one round (H steps) past the clocks that this stage's

@@ -3,7 +3,17 @@
 Notable:
 - One file, written to a temporary name in the same folder, fsynced, then renamed
   over the old one (and the folder fsynced): a crash at any point leaves either
-  the old checkpoint or the new one, never a torn file.
+  the old checkpoint or the new one, never a torn file. Every file the project
+  writes for the user goes through :func:`atomic_path` (:func:`atomic_write_text`,
+  :func:`save_tensors_atomic`).
+- A kill mid-write leaves only a temporary file (``.checkpoint.safetensors.XXXXXXXX.tmp``);
+  :func:`open_checkpoint`, the resume path, sweeps those (our pattern only, in the
+  checkpoint folder) before it reads.
+- A checkpoint that cannot be read (truncated, garbage) is renamed aside
+  (``checkpoint.safetensors.corrupt-<time>``, never deleted: it is the user's work) and
+  resuming goes on without it; one of a different run spec or format stays an error
+  the user sorts out (:class:`CheckpointError`, a :class:`~locomm.config.ConfigError`:
+  the CLI prints one line and exits 2).
 - Optimizer state is flattened to ``optim/{param index}/{key}`` tensors; the
   rest (param groups, step, sampler RNG state, spec hash) is JSON in the
   safetensors metadata, so the file stays loadable without pickle.
@@ -11,23 +21,38 @@ Notable:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
+import struct
 import tempfile
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import save_file
 
+from locomm.config import ConfigError
+
+log = logging.getLogger(__name__)
 CHECKPOINT_NAME = "checkpoint.safetensors"
 FORMAT_VERSION = 1
+TEMP_SUFFIX = ".tmp"
+CORRUPT_INFIX = ".corrupt-"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: corrupt, or from a different run spec."""
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used: from a different run spec, format or stage (the user's to sort out)."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint file that cannot be read (truncated, garbage, unreadable): set aside, not fatal."""
 
 
 @dataclass
@@ -41,24 +66,124 @@ class Checkpoint:
     """Other named tensors, e.g. an outer algorithm's state."""
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old or the new file, nothing between."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+@dataclass(frozen=True)
+class SetAside:
+    """An unreadable checkpoint that the resume path renamed aside (kept, not read again)."""
+
+    moved_to: Path
+    error: str
+
+    def event(self) -> dict[str, str]:
+        """Fields for the node's event log: ``events.write("checkpoint_set_aside", **aside.event())``."""
+        return {"moved_to": str(self.moved_to), "error": self.error}
+
+
+# -- atomic writes -----------------------------------------------------------------------
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:  # make the rename itself durable; not every filesystem lets a folder be opened
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; what the body writes there replaces ``path`` whole on exit.
+
+    The temporary file is fsynced before the rename and the folder after it; on an error it is removed,
+    and a kill leaves it for :func:`sweep_temp_files`. Parent folders are created.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old or the new file, nothing between."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: Path, text: str, encoding: str = "utf-8") -> None:
+    """Write ``text`` to ``path`` atomically (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding=encoding)
+
+
+def save_tensors_atomic(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
+    """``safetensors.torch.save_file`` made atomic; tensors are moved to the CPU and made contiguous."""
+    flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(flat, str(tmp), metadata=metadata)
+
+
+def _temp_pattern(name: str) -> re.Pattern[str]:
+    # tempfile.mkstemp's names: the prefix, 8 characters of [a-z0-9_], the suffix.
+    return re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}{re.escape(TEMP_SUFFIX)}")
+
+
+def sweep_temp_files(directory: Path, name: str = CHECKPOINT_NAME) -> list[Path]:
+    """Remove what killed writes of ``directory/name`` left (our temp-file pattern only); returns them.
+
+    Call it before this process writes there: a write in flight has a temp file of the same pattern.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    pattern = _temp_pattern(name)
+    swept = [p for p in directory.iterdir() if pattern.fullmatch(p.name) and p.is_file()]
+    for p in swept:
+        p.unlink(missing_ok=True)
+    if swept:
+        log.info(
+            "removed %d temporary file(s) that interrupted writes of %s left in %s: %s",
+            len(swept),
+            name,
+            directory,
+            ", ".join(p.name for p in swept),
+        )
+    return swept
+
+
+def set_aside(path: Path) -> Path:
+    """Rename ``path`` to ``<name>.corrupt-<UTC time>`` (a fresh name: nothing is overwritten); returns it."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = path.with_name(f"{path.name}{CORRUPT_INFIX}{stamp}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}{CORRUPT_INFIX}{stamp}-{n}")
+        n += 1
+    os.rename(path, target)
+    _fsync_dir(path.parent)
+    return target
+
+
+# -- checkpoints -------------------------------------------------------------------------
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -108,19 +233,24 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
                     scalars.setdefault(str(idx), {})[k] = v
         meta["optim_groups"] = ckpt.optimizer["param_groups"]
         meta["optim_scalars"] = scalars
-    atomic_write_bytes(path, st_save(tensors, metadata={"locomm": json.dumps(meta)}))
+    save_tensors_atomic(path, tensors, metadata={"locomm": json.dumps(meta)})
+
+
+def _metadata(raw: bytes) -> dict[str, Any]:
+    """Our JSON from a safetensors file's header (8-byte little-endian length, then the JSON header)."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(json.loads(raw[8 : 8 + n])["__metadata__"]["locomm"])
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
+    """Read a checkpoint; :class:`CorruptCheckpoint` when the file cannot be read or parsed."""
     try:
-        raw = path.read_bytes()
+        raw = Path(path).read_bytes()  # one read: tensors and metadata come from the same file
         tensors = st_load(raw)
-        from safetensors import safe_open  # noqa: PLC0415
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {})["locomm"])
+        meta = _metadata(raw)
+        step, spec_hash = int(meta["step"]), str(meta["spec_hash"])
     except Exception as e:  # safetensors raises its own error type on a torn or foreign file
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+        raise CorruptCheckpoint(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from None
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unsupported checkpoint format {meta.get('format')!r}")
     model = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
@@ -136,10 +266,36 @@ def load_checkpoint(path: Path) -> Checkpoint:
             state.setdefault(int(idx), {}).update(sc)
         optimizer = {"state": state, "param_groups": meta["optim_groups"]}
     return Checkpoint(
-        step=int(meta["step"]),
-        spec_hash=meta["spec_hash"],
-        model=model,
-        optimizer=optimizer,
-        extra=meta.get("extra", {}),
-        aux=aux,
+        step=step, spec_hash=spec_hash, model=model, optimizer=optimizer, extra=meta.get("extra", {}), aux=aux
     )
+
+
+def open_checkpoint(
+    directory: Path, spec_hash: str, name: str = CHECKPOINT_NAME
+) -> tuple[Checkpoint | None, SetAside | None]:
+    """The resume path: sweep stale temp files, read ``directory/name``, set an unreadable one aside.
+
+    Returns the checkpoint (None when there is none, or it was set aside) and what was set aside.
+    Raises:
+        CheckpointError: the checkpoint comes from a different run spec or format.
+    """
+    directory = Path(directory)
+    sweep_temp_files(directory, name)
+    path = directory / name
+    if not path.exists():
+        return None, None
+    try:
+        ckpt = load_checkpoint(path)
+    except CorruptCheckpoint as e:
+        try:
+            moved = set_aside(path)
+        except OSError as err:
+            raise CheckpointError(f"{e}; and it cannot be moved aside: {err}") from None
+        log.warning("%s; moved it to %s and going on without it", e, moved.name)
+        return None, SetAside(moved, str(e))
+    if ckpt.spec_hash != spec_hash:
+        raise CheckpointError(
+            f"{path} was written by a different run spec (hash {ckpt.spec_hash[:12]}, "
+            f"this run {spec_hash[:12]}); use another --checkpoint-dir"
+        )
+    return ckpt, None

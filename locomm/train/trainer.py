@@ -27,9 +27,10 @@ from locomm.checkpoint import (
     CHECKPOINT_NAME,
     Checkpoint,
     CheckpointError,
-    load_checkpoint,
+    SetAside,
     load_model_tensors,
     model_tensors,
+    open_checkpoint,
     save_checkpoint,
 )
 from locomm.config import RunSpec
@@ -73,6 +74,8 @@ class Trainer:
         )
         self._val = eval_batches(self.splits.val, spec.data, spec.train.eval_batches)
         self.step = 0
+        self.set_aside: SetAside | None = None
+        """The unreadable checkpoint the last :meth:`try_resume` renamed aside, if any (for an event log)."""
         self.tokens_per_step = spec.data.batch_size * spec.data.seq_len
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -137,19 +140,23 @@ class Trainer:
         return path
 
     def try_resume(self, directory: Path) -> Checkpoint | None:
-        """Load ``directory``'s checkpoint if there is one (it must come from the same run spec) and return it."""
-        path = Path(directory) / CHECKPOINT_NAME
-        if not path.exists():
+        """Load ``directory``'s checkpoint if there is a readable one and return it; None otherwise.
+
+        Stale temp files of killed writes are swept first; an unreadable checkpoint is renamed aside
+        (:attr:`set_aside` says where) and None returned, so a peer falls back to state sync.
+
+        Raises:
+            CheckpointError: the checkpoint is of a different run spec (or does not fit the model).
+        """
+        ckpt, self.set_aside = open_checkpoint(Path(directory), self.spec.hash())
+        if ckpt is None:
             return None
-        ckpt = load_checkpoint(path)
-        if ckpt.spec_hash != self.spec.hash():
-            raise CheckpointError(
-                f"{path} was written by a different run spec (hash {ckpt.spec_hash[:12]}, "
-                f"this run {self.spec.hash()[:12]}); use another --checkpoint-dir"
-            )
         load_model_tensors(self.model, ckpt.model)
         if ckpt.optimizer is not None:
-            self.optimizer.load_state_dict(ckpt.optimizer)
+            try:
+                self.optimizer.load_state_dict(ckpt.optimizer)
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{directory}: the optimizer state does not fit this model: {e}") from None
         if "sampler" in ckpt.extra:
             self.sampler.set_state(ckpt.extra["sampler"])
         self.step = ckpt.step

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save_file
+from safetensors.torch import save as st_save
 
 from locomm.config import ConfigError
 
@@ -135,10 +135,13 @@ def atomic_write_text(path: Path, text: str, encoding: str = "utf-8") -> None:
 def save_tensors_atomic(
     path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> None:
-    """``safetensors.torch.save_file`` made atomic; tensors are moved to the CPU and made contiguous."""
+    """``safetensors.torch.save_file`` made atomic; tensors are moved to the CPU and made contiguous.
+
+    Serialized in memory, then written by :func:`atomic_write_bytes`: safetensors' own ``save_file`` writes
+    through a temporary ``.tmpXXXXXX`` of its own, which a kill would leave under a name nobody can sweep.
+    """
     flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    with atomic_path(path) as tmp:
-        save_file(flat, str(tmp), metadata=metadata)
+    atomic_write_bytes(path, st_save(flat, metadata=metadata))
 
 
 def _temp_pattern(name: str) -> re.Pattern[str]:

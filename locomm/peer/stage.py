@@ -4,7 +4,8 @@ Lifecycle of ``Stage.run()``:
 1. the host is up (P2P, DHT node, the settled run spec, the RPC server, metrics);
 2. the stage: ``--stage K``, or ``auto``: the stage with the fewest live replicas in the heartbeats,
    ties to the lowest (:func:`locomm.protocol.membership.pick_stage`); a joiner of a running stage
-   downloads that stage's weights and outer state from its live replicas;
+   downloads that stage's weights and outer state from its live replicas; with ``--checkpoint-dir`` a
+   replica resumes its own stage's checkpoint and downloads only a newer state (``peer/stage_checkpoint.py``);
 3. services: ``stage`` (:class:`locomm.peer.stage_service.StageService`: handlers ``fwd`` and
    ``eval``, policy ``announced``), ``gossip`` for replica sync, ``state`` for joiners of this stage;
 4. stage 0 drives training: each optimizer step draws a batch from its own data shard, splits it
@@ -29,12 +30,14 @@ from typing import Any
 import torch
 
 from locomm import __version__
+from locomm.checkpoint import save_tensors_atomic
 from locomm.compression.boundary import BoundaryCoder
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
 from locomm.peer.host import Host, NodeOptions
 from locomm.peer.partners import note_screening
+from locomm.peer.stage_checkpoint import StageCheckpoints
 from locomm.peer.stage_service import Lost, StageService, eval_mid
 from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
@@ -69,6 +72,7 @@ class Stage:
         self.tokens_per_s = 0.0
         self.started = self.finished = False
         self.summary: dict[str, Any] = {}
+        self.ckpts = StageCheckpoints(opts.checkpoint_dir, opts.checkpoint_every)
 
     def params(self) -> dict[str, torch.Tensor]:
         return self.worker.params()
@@ -141,16 +145,21 @@ class Stage:
         if spec.outer.algo == "diloco":
             raise ConfigError("outer.algo: pipeline replicas sync with noloco, gasloc or sparseloco")
         beats = await host.read_beats()
-        if self.stage_arg == "auto":
+        stage_arg = await host.compute(self.ckpts.open, spec, self.stage_arg, host.events)  # its stage, if resumed
+        if stage_arg == "auto":
             # A replica that died a moment ago still has a record: count only fresh heartbeats.
             fresh = 3 * spec.network.heartbeat_interval_s
             self.stage = pick_stage(beats, spec.pipeline.stages, host.me, fresh_s=fresh, now=host.dht_now())
         else:
-            self.stage = int(self.stage_arg)
+            self.stage = int(stage_arg)
             if not 0 <= self.stage < spec.pipeline.stages:
                 raise ConfigError(f"--stage: {self.stage} is not in [0, {spec.pipeline.stages})")
         await host.compute(self._build, host.default_shard())
         self.svc = StageService(host, self.worker, self.coder, self._after_backward)
+        clock = await host.compute(self.ckpts.attach, self.worker, self.algo, getattr(self, "sampler", None))
+        if clock is not None:  # resumed: our clocks are the checkpoint's
+            self.svc.clock = clock if self.stage > 0 else 0
+            self.round = self._rounds_due = self.svc.data_clock() // spec.outer.inner_steps
         self.gossip = host.gossip(self.codec)
         self.gossip.admit = self._admit_sync  # replica-sync pushes only from replicas of this stage
         self.state_server = StateServer(host.run_id)
@@ -180,11 +189,10 @@ class Stage:
         self.finished = True
         with contextlib.suppress(Exception):
             await host.publish()
+        await self.ckpts.write(host.compute, self.svc.data_clock(), final=True)
         if self.opts.final_weights and not host.stop.is_set():
-            from safetensors.torch import save_file  # noqa: PLC0415
-
             weights = {k: v.detach().contiguous() for k, v in self.params().items()}
-            await host.compute(save_file, weights, str(self.opts.final_weights))
+            await host.compute(save_tensors_atomic, self.opts.final_weights, weights)
         self.summary = self._summary(initial, final)
         host.events.write("finished", **self.summary)
         return self.summary
@@ -194,8 +202,8 @@ class Stage:
         host = self.host
         beats = [b for b in await host.read_beats() if b.peer != host.me and b.stage == self.stage and not b.finished]
         trained = [b for b in beats if b.step > 0]
-        if not trained:
-            return
+        if not trained or not self.ckpts.should_sync(trained, self.spec.outer.inner_steps, self.svc.data_clock()):
+            return  # nobody has trained yet, or our own checkpoint is as new as theirs
         # Replicas near the median step first: one claiming step 10^9 is not preferred (fetch_state drops it).
         median = statistics.median_low([b.step for b in trained])
         donors = [b.peer for b in sorted(trained, key=lambda b: abs(b.step - median))[:STATE_DONORS]]
@@ -365,6 +373,8 @@ class Stage:
             self.pending = (planned, task)
             self.round = r + 1
         host.publish_soon()
+        if self.ckpts.due(self.round):
+            await self.ckpts.write(host.compute, self.svc.data_clock())
 
     async def _admit_sync(self, remote: str, round_idx: int) -> bool:
         """A replica-sync push is taken only from an admitted replica of this stage (one fresh, shared read first)."""

@@ -10,6 +10,7 @@ from typing import Any
 from locomm.cli.display import make_reporter
 from locomm.config import ConfigError, RunSpec
 from locomm.data import CorpusError
+from locomm.peer import lifeline
 from locomm.peer.node import Node, NodeOptions
 
 
@@ -35,6 +36,7 @@ def run_node(
     for ``--json``. ``reporter.close()`` runs whatever happens (it restores the terminal).
     """
     setup_logging(verbose)  # -q keeps the log lines: it silences the reporter only
+    lifeline.install()  # p2pd and DiLoCo's forked helpers die with this process, even SIGKILLed
     stage = options.pop("stage", None)
     if reporter is None:
         reporter = make_reporter(quiet=quiet or stage is not None)  # pipeline mode: the event log, no live line

@@ -11,8 +11,11 @@ the machinery (:class:`PeerGroup`):
   train ``train.steps`` optimizer steps, the other stages serve until every stage-0 replica has finished.
   A stage-1 replica can be killed at a step and a ``--stage auto`` joiner started at another (resilience).
 
-On Ctrl-C every peer gets SIGINT (they finish the step, checkpoint and shut P2P down), then anything left
-is killed; the temporary folder is removed either way.
+On Ctrl-C, SIGTERM or SIGHUP (the ssh session closing) every peer gets SIGINT (they finish the step,
+checkpoint and shut P2P down), then anything left is killed; the temporary folder is removed either way.
+No peer outlives the launcher even when it is SIGKILLed (:mod:`locomm.peer.lifeline`): each peer starts
+behind a parent-death shim (SIGTERM when the launcher dies), and a reaper process, which owns the
+temporary folder, stops whatever is left and removes the folder when the launcher's lifeline pipe closes.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +34,7 @@ from typing import Any
 
 from rich.console import Console
 
+from locomm.checkpoint import atomic_write_bytes
 from locomm.cli.swarm_view import (
     live_table,
     max_weight_distance,
@@ -46,6 +49,7 @@ from locomm.cli.swarm_view import (
     write_swarm_plot,
 )
 from locomm.config import RunSpec
+from locomm.peer.lifeline import MARKER, Reaper, pdeath_argv
 
 __all__ = [
     "STARTUP_TIMEOUT_S",
@@ -66,11 +70,14 @@ table = peer_table  # the data-parallel table, under its earlier name
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGINT to every peer's group, ``grace_s`` to exit, then SIGKILL to whatever is left in each group."""
+    """SIGINT to every peer, ``grace_s`` to exit, then SIGKILL to whatever is left in each peer's group.
+
+    The peer alone, not its group: its p2pd must live until the peer has shut P2P down (a p2pd killed
+    under a peer mid-start-up or mid-exchange turned a clean stop into tracebacks and a hang)."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGINT)
+                os.kill(p.pid, signal.SIGINT)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
@@ -84,13 +91,27 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait(timeout=5)
 
 
+REAPER_GRACE_S = 8.0
+"""After the launcher dies, how long its peers get for a clean stop before the reaper SIGKILLs them."""
+
+
 @contextlib.contextmanager
-def _scratch(prefix: str) -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix=prefix))
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+def _scratch(prefix: str) -> Iterator[tuple[Path, Reaper]]:
+    """A temporary folder owned by a reaper process (removed when this launcher exits, however)."""
+    with Reaper(prefix, grace_s=REAPER_GRACE_S) as reaper:
+        try:
+            yield reaper.folder, reaper
+        finally:
+            shutil.rmtree(reaper.folder, ignore_errors=True)
+
+
+def _copy_atomic(src: str, dst: str) -> None:
+    atomic_write_bytes(Path(dst), Path(src).read_bytes())
+
+
+def _keep(folder: Path, keep: Path) -> None:
+    """Copy the swarm's folder to ``keep``, each file atomically (a kill leaves whole files only)."""
+    shutil.copytree(folder, keep, dirs_exist_ok=True, copy_function=_copy_atomic)
 
 
 class PeerGroup:
@@ -102,8 +123,10 @@ class PeerGroup:
     or interrupt rich's Live while it holds its lock (its refresh thread then never ends and the launcher
     hangs). Handlers are installed from the main thread only (a test may run the launcher in a thread).
 
-    ``spawn(i, argv, **popen_kw)`` starts peer ``i`` (default: a local process in its own session; the
-    link bench starts each in its network namespace). ``size`` peers share the machine's cores.
+    ``spawn(i, argv, **popen_kw)`` starts peer ``i`` (default: a local process in its own session, behind
+    the parent-death shim; the link bench starts each in its network namespace, where only ``reaper`` and
+    the marker cover a SIGKILLed launcher). ``size`` peers share the machine's cores. ``reaper`` learns each
+    peer's pid, to stop it if this launcher dies.
     """
 
     def __init__(
@@ -114,8 +137,10 @@ class PeerGroup:
         size: int,
         grace_s: float,
         spawn: Callable[..., subprocess.Popen] | None = None,
+        reaper: Reaper | None = None,
     ) -> None:
         self.folder = folder
+        self.reaper = reaper
         self.spec_path = folder / "run.toml"
         spec.save(self.spec_path)
         self.size = size
@@ -128,13 +153,17 @@ class PeerGroup:
 
     def __enter__(self) -> PeerGroup:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._old_handlers[sig] = signal.signal(sig, lambda *_: self.stop_requested.set())
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
             _stop(self.procs, grace_s=self.grace_s)
+            if self.reaper is not None:
+                for p in self.procs:
+                    if p.returncode is not None:
+                        self.reaper.forget(p.pid)
         finally:
             for e in self._errs:
                 e.close()
@@ -158,10 +187,15 @@ class PeerGroup:
         self._errs.append(err)
         # Share the cores instead of every peer's torch grabbing all of them.
         threads = str(max(1, (os.cpu_count() or 1) // self.size))
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, MARKER: str(self.folder)}
         kw: dict[str, Any] = dict(stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, env=env)
-        p = self.spawn(i, cmd, **kw) if self.spawn is not None else subprocess.Popen(cmd, start_new_session=True, **kw)
+        if self.spawn is not None:
+            p = self.spawn(i, cmd, **kw)
+        else:  # SIGTERM (a clean stop) if this launcher dies
+            p = subprocess.Popen(pdeath_argv(cmd, signal.SIGTERM), start_new_session=True, **kw)
         self.procs.append(p)
+        if self.reaper is not None:
+            self.reaper.watch(p.pid)
         return p
 
     def address(self, i: int) -> str | None:
@@ -210,8 +244,8 @@ def run_swarm(
     """Run ``peers`` data-parallel peers for ``rounds`` outer rounds; the summary of what they report."""
     console = Console(stderr=True)
     t0 = time.perf_counter()
-    with _scratch("locomm-swarm-") as folder:
-        group = PeerGroup(folder, spec, size=peers, grace_s=20.0)
+    with _scratch("locomm-swarm-") as (folder, reaper):
+        group = PeerGroup(folder, spec, size=peers, grace_s=20.0, reaper=reaper)
 
         def args(i: int) -> list[str]:
             return [
@@ -241,10 +275,13 @@ def run_swarm(
         summary = swarm_summary(folder, rows, peers=peers, rounds=rounds)
         summary.update(wall_s=time.perf_counter() - t0, interrupted=interrupted, failed_peers=failed)
         if plot is not None:
-            write_swarm_plot(plot, rows)
+            drawn = folder / "plot.png"  # drawn whole, then moved into place atomically
+            write_swarm_plot(drawn, rows)
+            if drawn.exists():
+                atomic_write_bytes(plot, drawn.read_bytes())
             summary["plot"] = str(plot)
         if keep is not None:
-            shutil.copytree(folder, keep, dirs_exist_ok=True)
+            _keep(folder, keep)
     if not quiet:
         console.print()
         console.print(
@@ -282,8 +319,8 @@ def run_pipeline_swarm(
     t0 = time.perf_counter()
     killed: list[int] = []
     steps = spec.train.steps
-    with _scratch("locomm-pipe-") as folder:
-        group = PeerGroup(folder, spec, size=n, grace_s=15.0, spawn=spawn)
+    with _scratch("locomm-pipe-") as (folder, reaper):
+        group = PeerGroup(folder, spec, size=n, grace_s=15.0, spawn=spawn, reaper=reaper)
 
         def start(stage: str, initial: str | None) -> None:
             i = len(group.procs)
@@ -298,7 +335,7 @@ def run_pipeline_swarm(
             start("0", None)
             bootstrap = group.wait_for_first()
             if bootstrap_file is not None and bootstrap:
-                bootstrap_file.write_text(bootstrap + "\n")
+                atomic_write_bytes(bootstrap_file, (bootstrap + "\n").encode())
             for i in range(1, n):
                 if group.stopping:
                     break
@@ -336,7 +373,7 @@ def run_pipeline_swarm(
             killed_peers=killed, failed_peers=failed, interrupted=interrupted, wall_s=time.perf_counter() - t0
         )
         if keep is not None:
-            shutil.copytree(folder, keep, dirs_exist_ok=True)
+            _keep(folder, keep)
     if not quiet:
         console.print(
             f"pipeline {stages}x{replicas}: loss {summary['initial_loss']:.3f} -> "

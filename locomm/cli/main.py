@@ -14,6 +14,8 @@ from __future__ import annotations
 import click
 
 from locomm import __version__
+from locomm.cli.bootstrap import bootstrap
+from locomm.cli.doctor import doctor
 from locomm.cli.local_commands import simulate, train
 from locomm.cli.options import PRESETS, emit_json, fail, load_spec
 from locomm.cli.swarm_commands import join, status, swarm
@@ -21,7 +23,9 @@ from locomm.cli.swarm_commands import join, status, swarm
 __all__ = [
     "PRESETS",
     "bench",
+    "bootstrap",
     "cli",
+    "doctor",
     "emit_json",
     "fail",
     "join",
@@ -40,7 +44,7 @@ def cli() -> None:
     """locomm: train a language model across peers on consumer links."""
 
 
-for _command in (train, simulate, join, swarm, status):
+for _command in (train, simulate, join, swarm, status, bootstrap, doctor):
     cli.add_command(_command)
 
 

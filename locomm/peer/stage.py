@@ -169,7 +169,7 @@ class Stage:
         if self.opts.initial_peers:
             await self._join_stage()
         await host.compute(self._snapshot, self.round)
-        host.up(stage=self.stage, first_heartbeat_s=time.perf_counter() - host.t_launch)
+        host.up(stage=self.stage, first_heartbeat_s=time.perf_counter() - host.t_launch, resumed=self.ckpts.resumed)
         log.info("peer %s serves stage %d of %d", host.me, self.stage, spec.pipeline.stages)
         if (n := self.opts.wait_for_peers) > 1:
             await host.wait_for(lambda beats: self._all_staged(beats, n), 90.0, f"{n} peers on every stage")

@@ -1,36 +1,32 @@
 """Outer-update exchanges: streamed, parallel pushes on the RPC base, a mailbox, pulls, faults and bans.
 
-A round's exchange is symmetric push: each worker sends its payload to each of
-its round partners and waits for theirs; the round goes on with whoever
-answered. No global barrier.
+A round's exchange is symmetric push: each worker sends its payload to each of its round partners and waits
+for theirs; the round goes on with whoever answered. No global barrier.
 
-- **Streamed.** A payload is a list of parts (``compression/payload.py``). The
-  sender encodes parts in the codec pool, once for all partners, and part k+1 is
-  encoded while part k is on the wire; the receiver decodes each part in the pool
-  as it arrives, into tensors it allocated once. Extra memory per payload: the
-  encoded parts on the sender (at most the payload's size), the destination
-  tensors plus two parts per stream on the receiver.
-- **Parallel.** A payload above ``parallel_threshold_mb`` travels over up to
-  ``streams_per_transfer`` streams to one partner (p2pd's per-stream ceiling).
-- **Deadlines by bytes** (``rpc.Limits``): a stalled or trickling stream is cut
-  off and answered ``TIMEOUT``; that is slowness, never a fault. Every "now" here
-  (ETAs, stalls, links, rates) is ``clock()``, the RPC server's unless given.
-- **Waiting by ETA.** A worker waits for a partner's payload until the ETA the
-  partner's heartbeat implies (its round time and upload rate), longer while a
-  transfer from it is still moving, and at most ``max_wait_s`` beyond.
-- **Pull.** A peer that cannot be dialled (behind NAT) still pushes out; its
-  partners answer its push with ``pull=True`` when they could not reach it, and
-  it then pulls their payload on a stream it opens itself. A worker also pulls a
-  partner's payload once its ETA has passed with nothing arriving.
+- **Streamed.** A payload is a list of parts (``compression/payload.py``). The sender encodes parts in the
+  codec pool, once for all partners, and part k+1 is encoded while part k is on the wire; the receiver decodes
+  each part in the pool as it arrives, into tensors it allocated once. Extra memory per payload: the encoded
+  parts on the sender (at most the payload's size), the destination tensors plus two parts per stream on the
+  receiver.
+- **Parallel.** Above ``parallel_threshold_mb``, up to ``streams_per_transfer`` streams (p2pd's per-stream ceiling).
+- **Deadlines by bytes** (``rpc.Limits``): a stalled or trickling stream is cut off and answered ``TIMEOUT``;
+  that is slowness, never a fault. Every "now" here (ETAs, stalls, links, rates) is ``clock()``, the RPC
+  server's unless given.
+- **Waiting by ETA.** A worker waits for a partner's payload until the ETA the partner's heartbeat implies (its
+  round time and upload rate), longer while a transfer from it is still moving, and at most ``max_wait_s``.
+- **Pull.** A peer that cannot be dialled (behind NAT) still pushes out; its partners answer its push with
+  ``pull=True`` when they could not reach it, and it then pulls their payload on a stream it opens itself. A
+  worker also pulls a partner's payload once its ETA has passed with nothing arriving.
 - **Admission and memory.** ``admit(peer, round)``, when given, is asked before a push is read: a sender it
   refuses (not one of the round's partners) is answered ``UNAUTHORIZED``, a refusal, not a fault. At most
   ``max_payloads`` pushed payloads are being received at once (``partners + 2`` once :meth:`Gossip.exchange`
   has seen a round's partners, unless the constructor fixed it); beyond it a push is answered ``NOT_READY``
   before its buffer is allocated. Pulls we start ourselves are not counted (we chose those partners).
-- **Faults** are protocol violations and bad payloads only (``FAULT_CODES``);
-  repeated faults ban. Bans are local: a banned partner is skipped at exchange
-  time, never removed from the round's membership (every peer must compute the
-  same groups).
+- **Leaving.** ``gone(peer, round)``, when given, says a partner left before that round (its final heartbeat):
+  the exchange stops waiting for it at once instead of at its deadline.
+- **Faults** are protocol violations and bad payloads only (``FAULT_CODES``); repeated faults ban. Bans are
+  local: a banned partner is skipped at exchange time, never removed from the round's membership (every peer
+  must compute the same groups).
 """
 
 from __future__ import annotations
@@ -55,6 +51,7 @@ from locomm.protocol.messages import (
     ErrorCode,
     ProtocolViolation,
     Transfer,
+    check_round,
     pull_header,
     push_header,
     transfer_fields,
@@ -122,6 +119,7 @@ class Gossip:
         self.stats = GossipStats()
         self.admit = admit
         """(sender, round) -> may it push to us (the node's: one of that round's partners)."""
+        self.gone: Callable[[str, int], bool] | None = None  # see "Leaving" above
         self.fixed_max_payloads = max_payloads
         self.partners = 1
         """Partners of the last round we exchanged in (sizes the payload budget unless it is fixed)."""
@@ -145,16 +143,7 @@ class Gossip:
     # -- receiving ---------------------------------------------------------------------
 
     def _open_incoming(self, remote: str, round_idx: int, t: Transfer, pulled: bool = False) -> Incoming:
-        if abs(round_idx - self.current_round) > ROUND_WINDOW:
-            raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {round_idx}, we are at {self.current_round}")
-        if round_idx < self.current_round - RECEIVE_WINDOW:  # applied already: a refusal, the sender moves on
-            raise ProtocolViolation(
-                ErrorCode.STALE_ROUND, f"round {round_idx} is over here (we are at {self.current_round})"
-            )
-        if round_idx > self.current_round + RECEIVE_WINDOW:  # we are behind: the sender retries
-            raise ProtocolViolation(
-                ErrorCode.NOT_READY, f"round {round_idx} is not open yet (we are at {self.current_round})"
-            )
+        check_round(round_idx, self.current_round, ROUND_WINDOW, RECEIVE_WINDOW)
         if remote in self.mailbox.get(round_idx, {}):
             raise ProtocolViolation(ErrorCode.NOT_READY, "already received this round's payload")
         senders = {s for (s, r) in self.incoming if r == round_idx} | set(self.mailbox.get(round_idx, {}))
@@ -276,6 +265,8 @@ class Gossip:
             await asyncio.sleep(1.0 + attempt)
         if outcome == "reset":
             outcome = "cut"
+        if outcome == ErrorCode.OK or outcome in _REFUSALS:  # it has our payload, or will never take it
+            out.delivered.add(peer)
         if outcome == ErrorCode.OK:
             self.stats.pushes_ok += 1
         else:
@@ -405,6 +396,10 @@ class Gossip:
                     if (inc := self.incoming.get((p, round_idx))) is not None
                     and now - inc.last_progress < self.limits.stall_timeout_s
                 }
+                if self.gone is not None and (left := {p for p in missing - moving if self.gone(p, round_idx)}):
+                    waiting -= left  # it left before this round: nothing is coming, skip it without a timeout
+                    self.stats.gone_skipped += len(left)
+                    continue
                 for p in missing - moving:  # hinted, or overdue with nothing arriving: fetch it ourselves
                     if (
                         (p in self.pull_hints.get(round_idx, ()) or now > deadline[p])
@@ -417,6 +412,8 @@ class Gossip:
                 busy = any(not t.done() for t in pulls.values())
                 alive = [p for p in missing if now <= deadline[p] or p in moving]
                 if not alive and not busy:
+                    self.stats.gave_up += len(missing)
+                    self.stats.gave_up_on += [(round_idx, p) for p in sorted(missing)]
                     break
                 async with self.arrived:
                     with contextlib.suppress(TimeoutError):
@@ -435,6 +432,10 @@ class Gossip:
         if missing := ", ".join(m[-8:] for m in set(peers) - set(got)):
             log.info("round %d: no payload from %s; going on with %d of %d", round_idx, missing, len(got), len(peers))
         return got
+
+    def undelivered(self, round_idx: int) -> set[str]:
+        """Partners of ``round_idx`` that may still take our payload: no push answered OK or refused, no pull."""
+        return set() if (out := self.outgoing.get(round_idx)) is None else out.peers - out.delivered
 
     def advance(self, round_idx: int) -> None:
         """We are now in ``round_idx``: drop mailbox rounds and buffers that can no longer be used."""

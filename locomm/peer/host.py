@@ -38,16 +38,16 @@ from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from locomm import PROTOCOL_VERSION
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.gossip import Faults, Gossip
 from locomm.peer.metrics import EventLog, Metrics
-from locomm.peer.options import NodeOptions, SpecMismatch
+from locomm.peer.options import NodeOptions
 from locomm.peer.records import SPEC_TTL_S, SwarmKey, SwarmValidator, heartbeat_ttl, load_identity
 from locomm.peer.rpc import RpcServer, Service
+from locomm.peer.spec_sync import settle_spec
 from locomm.peer.state import Synced, fetch_state
-from locomm.peer.swarm import fetch_spec, peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
+from locomm.peer.swarm import peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
 from locomm.protocol.membership import Heartbeat
 from locomm.protocol.timing import Limits
 
@@ -61,6 +61,9 @@ class Host:
         self.spec = spec
         self.opts = opts
         self.stop = asyncio.Event()
+        """Set by the first SIGINT/SIGTERM/SIGHUP (or the driver): finish the pending exchange, say goodbye."""
+        self.hurry = asyncio.Event()
+        """Set by a second signal: leave at once (no more waiting on exchanges or partners)."""
         self.events = EventLog(opts.log_file)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locomm-compute")
         self.codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="locomm-codec")
@@ -97,9 +100,9 @@ class Host:
 
     async def __aenter__(self) -> Host:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal or ssh session closed
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.stop.set)
+                loop.add_signal_handler(sig, self._on_signal, sig)
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         try:
@@ -108,9 +111,8 @@ class Host:
             self.identity = self._identity_path()
             self.p2p = await P2P.create(
                 initial_peers=initial,
-                host_maddrs=list(self.opts.host_maddrs),
-                announce_maddrs=list(self.opts.announce_maddrs) or None,
                 identity_path=str(self.identity),
+                **self.opts.p2p_kwargs(initial or ()),  # addresses, relays, auto-relay, reachability
             )
             self.me = self.p2p.peer_id.to_base58()
             self.validator = SwarmValidator(load_identity(self.identity), swarm_key=self.swarm_key)
@@ -123,7 +125,8 @@ class Host:
                 self.validator.set_run(self.spec.hash()[:16], self.spec.network.heartbeat_ttl_s)
             self.maddrs = await self.p2p.get_visible_maddrs()
             self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial, record_validator=self.validator)
-            await self._settle_spec()
+            self.spec = await settle_spec(self)
+            await self.publish_spec()
             net = self.spec.network
             self.run_id = self.spec.hash()[:16]
             if not known:
@@ -180,6 +183,15 @@ class Host:
         if self._id_dir is not None:
             shutil.rmtree(self._id_dir, ignore_errors=True)
 
+    def _on_signal(self, sig: int) -> None:
+        if self.stop.is_set():
+            log.warning("%s again: leaving at once", signal.Signals(sig).name)
+            self.hurry.set()
+        else:
+            name = signal.Signals(sig).name
+            log.info("%s: finishing the pending exchange, then leaving (again: leave at once)", name)
+        self.stop.set()
+
     def spawn(self, coro: Coroutine[Any, Any, Any], *, background: bool = False) -> asyncio.Task:
         """Start a task the host stops and awaits on exit.
 
@@ -213,58 +225,6 @@ class Host:
         for store in (self.dht.protocol.storage, self.dht.protocol.cache):
             with contextlib.suppress(Exception):
                 del store[key_id]
-
-    async def _settle_spec(self) -> None:
-        closed = self.swarm_key is not None
-        if not self.opts.initial_peers:
-            await self.publish_spec()
-            return
-        trusted = peer_ids_of(self.opts.initial_peers)
-        if not trusted:
-            raise SpecMismatch("--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>")
-        found: dict[str, dict[str, Any]] = {}
-        for attempt in range(20):
-            for peer, spec in zip(trusted, await asyncio.gather(*(self._fetch_spec(p) for p in trusted))):
-                if spec is not None:
-                    found[peer] = spec
-            if len(found) == len(trusted) or (found and attempt >= 3):  # an initial peer may be gone
-                break
-            await asyncio.sleep(0.5)
-        if not found:
-            if closed:
-                raise SpecMismatch("no run spec in the swarm verifies with this --swarm-key (is it the swarm's key?)")
-            raise SpecMismatch("no run spec found in the swarm (is --initial-peers right?)")
-        if len({(v["hash"], v["closed"]) for v in found.values()}) > 1:
-            named = ", ".join(f"{p[-8:]}: {v['hash'][:12]}" for p, v in found.items())
-            raise SpecMismatch(f"the peers in --initial-peers publish different run specs ({named}); join one swarm")
-        remote = next(iter(found.values()))
-        if remote["closed"] and not closed:
-            raise SpecMismatch("this swarm is closed: pass --swarm-key")
-        if remote["version"] != PROTOCOL_VERSION:
-            raise SpecMismatch(
-                f"the swarm speaks protocol {remote['version']}, this peer {PROTOCOL_VERSION}; upgrade locomm"
-            )
-        if self.opts.spec_from_user and remote["hash"] != self.spec.hash():
-            raise SpecMismatch(
-                f"the swarm's run spec {remote['hash'][:12]} differs from yours "
-                f"{self.spec.hash()[:12]}; join without --config to take the swarm's"
-            )
-        spec = RunSpec.from_toml(remote["toml"])
-        if spec.hash() != remote["hash"]:
-            raise SpecMismatch("the swarm's published spec does not match its own hash")
-        if not self.opts.spec_from_user:
-            spec.data.check_from_swarm()  # the swarm's spec never names a path on this disk
-        self.spec = spec
-        await self.publish_spec()
-
-    async def _fetch_spec(self, peer: str) -> dict[str, Any] | None:
-        try:
-            return await fetch_spec(self.dht, peer)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # one unreachable initial peer is not fatal
-            log.debug("spec of %s: %s", peer[-8:], e)
-            return None
 
     async def publish_spec(self) -> None:
         """Store (again) the spec this peer runs under its own key, signed; every peer does, every
@@ -412,6 +372,12 @@ class Host:
         with contextlib.suppress(Exception):
             await asyncio.shield(self._refresh)
         return ok()
+
+    def refresh_soon(self) -> None:
+        """Read the heartbeats again in the background, unless a read began in the last second."""
+        if self._refresh is None or (self._refresh.done() and time.monotonic() - self._unknown_read > 1.0):
+            self._unknown_read = time.monotonic()
+            self._refresh = self.spawn(self.read_beats(), background=True)
 
     async def authorize(self, remote: str, policy: str) -> bool:
         """The services' authorize hook: members for gossip, any announced peer for state sync and stages."""

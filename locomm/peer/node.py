@@ -30,22 +30,21 @@ import torch
 from locomm import __version__
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
-from locomm.peer.host import Host, NodeOptions, SpecMismatch
+from locomm.peer.host import Host
+from locomm.peer.lifecycle import enter_swarm, leave_swarm, partner_gone
+from locomm.peer.options import NodeOptions, SpecMismatch
 from locomm.peer.partners import Partners, note_screening
-from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
+from locomm.peer.state import Snapshot, StateServer, load_state, state_tensors
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
-from locomm.protocol.membership import NOT_ADMITTED, Heartbeat, members_for_round, swarm_round
+from locomm.protocol.membership import NOT_ADMITTED, Heartbeat, members_for_round
 from locomm.protocol.timing import ema
 
 __all__ = ["Node", "NodeOptions", "SpecMismatch"]
 
 log = logging.getLogger(__name__)
-JOIN_MARGIN_ROUNDS = 2
-STATE_ATTEMPTS = 3
-"""Whole state downloads a joiner tries before it starts from the initial weights."""
-DONORS = 5
-"""Peers a joiner asks for their state (the state most of them agree on wins; see peer/state.py)."""
+STOP_EXCHANGE_S = 10.0
+"""After Ctrl-C, how long the pending exchange may still take (a second Ctrl-C: none)."""
 
 
 class Node:
@@ -71,7 +70,7 @@ class Node:
         self.avg_bytes = 0
         self.last_loss = self.val_loss = float("nan")
         self.tokens_per_s = self.wait_s = 0.0
-        self.started = False
+        self.started = self.left = False
         self.summary: dict[str, Any] = {}
 
     # -- helpers -----------------------------------------------------------------------
@@ -108,7 +107,7 @@ class Node:
 
         return corrupt(self.opts.attack, self.params(), self.algo.phi, self._attack_gen)
 
-    def _load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_state(tensors, self.params(), self.algo)
 
     def _resume(self) -> bool:
@@ -142,6 +141,7 @@ class Node:
             **{k: c[k] for k in ("round", "step", "loss", "val_loss", "tokens_per_s", "bytes_sent")},
             join_round=self.join_round,
             started=self.started,
+            finished=self.left,
             last_exchange=g.last_exchange,
             version=__version__,
             maddrs=tuple(str(m) for m in h.maddrs),
@@ -207,6 +207,7 @@ class Node:
         self.gossip = host.gossip(self.codec)
         self.roster = Partners(host, self.spec, self.codec.raw_bytes())
         self.gossip.admit = self.roster.admit  # only a round's partners may push to us
+        self.gossip.gone = lambda peer, r: partner_gone(self, peer, r)  # a partner that left: no waiting
         self.state_server = StateServer(host.run_id)
         warm = asyncio.get_running_loop().run_in_executor(host.codec_pool, self.codec.warm_up)
         await host.serve(self.gossip.service(), self.state_server.service())
@@ -216,7 +217,7 @@ class Node:
         await warm
         host.heartbeat = self.heartbeat
         if self.opts.initial_peers:
-            await self._enter_swarm(resumed)
+            await enter_swarm(self, resumed)
         await host.compute(self._snapshot, self.round)
         await host.publish()
         host.start_reporter(self.status)
@@ -242,7 +243,8 @@ class Node:
         if self.opts.until_round is not None:
             end_round = self.opts.until_round
         await self._train(end_round)
-        final_val = self.val_loss = await host.compute(self.trainer.evaluate)
+        await leave_swarm(self, self.spec.network.request_timeout_s)
+        final_val = self.val_loss = math.nan if host.hurry.is_set() else await host.compute(self.trainer.evaluate)
         await host.compute(self._checkpoint)
         if self.opts.final_weights and not host.stop.is_set():
             from safetensors.torch import save_file  # noqa: PLC0415
@@ -253,48 +255,6 @@ class Node:
         host.events.write("finished", **self.summary)
         host.report("finish", self.summary)
         return self.summary
-
-    async def _enter_swarm(self, resumed: bool) -> None:
-        """Pick the round to join at; download state from live peers unless we resumed our own."""
-        host = self.host
-        beats = [b for b in await host.read_beats() if b.peer != host.me]
-        # The round two thirds of the admitted peers reached: one peer claiming round 10^9 cannot send us there.
-        top = swarm_round(beats)
-        if all(not b.started for b in beats) and top == 0:
-            self.join_round = self.round  # nobody has trained yet: start together
-            return
-        # Join a little ahead of the swarm, so every peer counts us from the same round on: peers
-        # that computed a round's membership before our heartbeat reached them never expect us in it.
-        self.join_round = max(top + JOIN_MARGIN_ROUNDS, self.round)
-        await host.publish()
-        if not resumed and top > 0:
-            # Donors: admitted peers at the swarm's round (not those claiming to be far past it), newest first.
-            near = [b for b in beats if b.admitted and b.started and b.round <= top + 1]
-            donors = [b.peer for b in sorted(near, key=lambda b: -b.round)[:DONORS]]
-            expected = expected_layout(state_tensors(self.algo.phi, self.algo))  # what _snapshot serves
-            self.phase = "syncing"
-            got = None
-            for attempt in range(STATE_ATTEMPTS):  # the state moved on twice while we fetched: ask again
-                got = await host.fetch_state(donors, expected)
-                if got is not None or host.stop.is_set():
-                    break
-                log.info("state download %d/%d failed; asking the donors again", attempt + 1, STATE_ATTEMPTS)
-            if got is not None:
-                try:
-                    await host.compute(self._load_state, got.tensors)
-                except StateMismatch as e:  # fetch_state checked the layout already: a bug here, not a crash
-                    log.warning("the downloaded state does not fit this model: %s", e)
-                    got = None
-            if got is None:
-                log.warning("could not download state from %d donors; starting from the initial weights", len(donors))
-                host.events.write("sync_failed", donors=len(donors))
-            else:
-                info = dict(donor_round=got.round, tensors=len(got.tensors), rule=got.rule, faulted=len(got.faulted))
-                host.events.write("synced", donors=len(got.donors), **info)
-                log.info("synced state of round %d from %d donor(s) by %s", got.round, len(got.donors), got.rule)
-        self.round = self.join_round
-        self.trainer.step = self.round * self.spec.outer.inner_steps
-        await host.settle_view()
 
     async def _start_averager(self) -> None:
         from locomm.peer.averaging import start_averager  # noqa: PLC0415 - only the DiLoCo baseline
@@ -328,10 +288,12 @@ class Node:
         if task is None:
             return
         t0 = time.perf_counter()
-        if self.host.stop.is_set():  # shutting down: give the exchange a few seconds, not a full timeout
+        if self.host.stop.is_set():  # shutting down: give the exchange a few seconds (none after a second signal)
             self.phase = "stopping"
-            done, _ = await asyncio.wait({task}, timeout=5.0)
-            if not done:
+            hurry = asyncio.ensure_future(self.host.hurry.wait())
+            done, _ = await asyncio.wait({task, hurry}, timeout=STOP_EXCHANGE_S, return_when=asyncio.FIRST_COMPLETED)
+            hurry.cancel()
+            if task not in done:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -418,6 +380,7 @@ class Node:
     def _summary(self, initial_val: float, final_val: float, first_heartbeat_s: float) -> dict[str, Any]:
         g, h = self.gossip.stats, self.host
         counted = ("exchanges_ok", "exchanges_failed", "bytes_undelivered", "pushes_ok", "pushes_failed", "pulls")
+        counted += ("gave_up", "gone_skipped", "gave_up_on")
         return {
             "peer": h.me,
             "rounds_completed": self.round,

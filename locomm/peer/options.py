@@ -3,6 +3,7 @@ joiner raises when the swarm's spec is not the one it was given."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,3 +56,37 @@ class NodeOptions:
     reporter: Any = None
     """Shows the user what the node is doing (locomm.cli.display.JoinReporter): ``update(status)``
     about twice a second, ``round_done(status)`` after each round, ``finish(summary)`` at exit."""
+    relay: bool = True
+    """libp2p circuit relays (p2pd ``-relay``, circuit v2): reach a NATed peer through a relay, and (an open
+    peer) serve as a relay for others. p2pd runs the relay service whenever relays are on (hivemind has no
+    switch for the service alone), so opting out of serving (``--no-relay``) also stops using relays."""
+    auto_relay: bool = True
+    """When this node is not reachable (AutoNAT says private, or ``reachability="private"``), reserve a slot on
+    a relay and announce the relayed ``/p2p-circuit`` address (p2pd ``-autoRelay``); peers that reach us through
+    it then try hole punching (DCUtR, on with hivemind's AutoNAT). No effect on a reachable node."""
+    relays: tuple[str, ...] = ()
+    """Relays to reserve on (full multiaddrs with ``/p2p/<id>``); empty: the initial peers, then DHT peers."""
+    reachability: str | None = None
+    """``"public"`` or ``"private"``: skip AutoNAT's guess (it needs a few dial-backs first); None: AutoNAT."""
+    averager_port: int = 0
+    """DiLoCo only: the TCP port of the averager's own p2pd (bound on the host addresses' IPs, and announced on
+    the announce addresses' IPs when not 0; 0: any free port, announced as bound)."""
+
+    def __post_init__(self) -> None:
+        if self.reachability not in (None, "public", "private"):
+            raise ConfigError(f"reachability: 'public', 'private' or None, got {self.reachability!r}")
+        if self.relays and not (self.relay and self.auto_relay):
+            raise ConfigError("relays need relay and auto_relay on")
+
+    def p2p_kwargs(self, initial_peers: Sequence[str] = ()) -> dict[str, Any]:
+        """The node's ``hivemind.P2P.create`` arguments: its addresses and :meth:`nat_kwargs`."""
+        announce = list(self.announce_maddrs) or None
+        return {"host_maddrs": list(self.host_maddrs), "announce_maddrs": announce, **self.nat_kwargs(initial_peers)}
+
+    def nat_kwargs(self, initial_peers: Sequence[str] = ()) -> dict[str, Any]:
+        """The NAT-traversal arguments of ``hivemind.P2P.create`` (the node's, and the DiLoCo averager's DHT's):
+        relays, auto-relay with its trusted relays (``relays``, else ``initial_peers``), reachability."""
+        auto = self.relay and self.auto_relay
+        relays = [m for m in (self.relays or initial_peers) if "/p2p/" in m] if auto else []
+        kw: dict[str, Any] = {"use_relay": self.relay, "use_auto_relay": auto, "force_reachability": self.reachability}
+        return {**kw, "trusted_relays": relays} if relays else kw

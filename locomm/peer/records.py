@@ -36,6 +36,7 @@ import hashlib
 import hmac
 import logging
 import math
+import os
 import re
 import time
 from collections import OrderedDict
@@ -71,8 +72,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SPEC_TTL_S = 3600.0
-"""Lifetime of a peer's spec record; the host stores it again every SPEC_TTL_S / 3."""
+SPEC_TTL_S = float(os.environ.get("LOCOMM_SPEC_TTL_S", "") or 3600.0)
+"""Lifetime of a peer's spec record; the host stores it again every SPEC_TTL_S / 3. ``LOCOMM_SPEC_TTL_S``
+overrides it for tests (a swarm that outlives several TTLs in seconds); every peer of a swarm must agree."""
+if not SPEC_TTL_S >= 1.0:
+    raise ValueError(f"LOCOMM_SPEC_TTL_S must be >= 1 s, got {SPEC_TTL_S}")
 MAX_ROUND_S = 3600.0
 """A heartbeat's round time is capped here when it sets the record's TTL (a bound every peer computes alike)."""
 MIN_SWARM_SECRET = 32

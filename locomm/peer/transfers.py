@@ -32,6 +32,12 @@ class GossipStats:
     pushes_failed: int = 0
     pulls: int = 0
     unreachable: int = 0
+    gave_up: int = 0
+    """Partner-rounds we stopped waiting for at their deadline (their payload never came)."""
+    gave_up_on: list[tuple[int, str]] = field(default_factory=list)
+    """Those (round, partner) pairs."""
+    gone_skipped: int = 0
+    """Partner-rounds we stopped waiting for because the partner had left (its final heartbeat said so)."""
     last_exchange: float = 0.0
     up_Bps: float = 0.0
     """Measured upload rate (bytes/s per partner stream set), an EMA over pushes."""

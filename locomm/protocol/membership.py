@@ -141,6 +141,7 @@ class Heartbeat:
     """DiLoCo only: the addresses of this peer's hivemind averager DHT."""
     started: bool = False
     finished: bool = False
+    """It left: its final heartbeat (data-parallel: a member of no round from ``round`` on)."""
     loss: float | None = None
     val_loss: float | None = None
     tokens_per_s: float = 0.0
@@ -236,7 +237,9 @@ def members_for_round(
     ``fresh_s`` at ``now`` (a live peer that is merely slow stays in). A peer that died drops out when both
     fail: its frozen round counter is content every peer reads alike, so where rounds are longer than the
     heartbeat TTL (any real run) it drops out for everyone at the same round, whenever each one reads.
-    ``me`` is always included (a peer not yet admitted trains alone, and nobody expects it).
+    A peer that left (``finished``, its final heartbeat) is a member of no round from its last published one
+    on: it exchanged up to the round before. ``me`` is always included (a peer not yet admitted trains alone,
+    and nobody expects it).
     """
     beats = list(beats)
     admitted = admission_rounds(beats)
@@ -244,6 +247,7 @@ def members_for_round(
         h.peer
         for h in beats
         if admitted.get(h.peer, NOT_ADMITTED) <= round_idx
+        and not (h.finished and h.round <= round_idx)
         and (h.round >= round_idx - MEMBER_LAG_ROUNDS or now - h.time < fresh_s)
     }
     members.add(me)

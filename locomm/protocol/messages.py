@@ -254,6 +254,17 @@ def transfer_fields(xfer: int, stream: int, streams: int, enc: Mapping[str, int]
     }
 
 
+def check_round(round_idx: int, current: int, window: int, receive_window: int) -> None:
+    """Refuse a payload of ``round_idx`` at a receiver in round ``current``: far off (``window``), applied
+    already (a refusal: the sender moves on), or not open yet (the sender retries)."""
+    if abs(round_idx - current) > window:
+        raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {round_idx}, we are at {current}")
+    if round_idx < current - receive_window:
+        raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {round_idx} is over here (we are at {current})")
+    if round_idx > current + receive_window:
+        raise ProtocolViolation(ErrorCode.NOT_READY, f"round {round_idx} is not open yet (we are at {current})")
+
+
 def validate_transfer(fields: Mapping[str, Any], codec: PayloadCodec, max_body_bytes: int) -> Transfer:
     """Check a transfer's layout against the run's payload layout; nothing is allocated here."""
     xfer, stream, streams = _field(fields, "xfer", int), _field(fields, "stream", int), _field(fields, "streams", int)

@@ -247,7 +247,8 @@ class Launcher:
             cmd += ["--final-weights", str(wts)]
         cmd += list(args)
         if initial_peers:
-            cmd += ["--initial-peers", *([initial_peers] if isinstance(initial_peers, str) else initial_peers)]
+            for m in [initial_peers] if isinstance(initial_peers, str) else initial_peers:
+                cmd += ["--initial-peers", m]
         full_env = dict(os.environ)
         if self.threads is not None:
             full_env["OMP_NUM_THREADS"] = str(self.threads)

@@ -1,0 +1,94 @@
+"""A dedicated bootstrap node: a DHT node (and libp2p relay) that trains nothing.
+
+Swarms of hivemind and Petals usually start from such nodes: long-lived, on a public address, the
+``--initial-peers`` of everyone. ``locomm-peer bootstrap`` runs one:
+
+- P2P and a DHT node with the swarm's record validator (``peer/records.py``): in a closed swarm
+  (``--swarm-key``) it stores only records that carry the key; in an open one it stores any record, and
+  every reader checks what it reads;
+- with ``--config`` (or ``--preset``) it publishes that run spec under its own key and keeps it alive
+  (every SPEC_TTL_S / 3), so joiners without --config can take it from this node; without one, the first
+  peer that joins through it with ``--config`` publishes its spec (``peer/spec_sync.py``) and joiners
+  name that peer too, or bring the same --config.
+
+It runs until SIGINT, SIGTERM or SIGHUP, then shuts the DHT and p2pd down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hivemind.dht import DHTNode
+from hivemind.p2p import P2P
+
+from locomm.config import ConfigError, RunSpec
+from locomm.peer.options import NodeOptions
+from locomm.peer.records import SPEC_TTL_S, SwarmKey, SwarmValidator, load_identity
+from locomm.peer.swarm import publish_spec
+
+__all__ = ["run_bootstrap"]
+
+log = logging.getLogger(__name__)
+
+
+async def run_bootstrap(
+    opts: NodeOptions, spec: RunSpec | None, *, on_up: Callable[[str, list[str]], None] | None = None
+) -> None:
+    """Serve as a bootstrap node until a stop signal (see the module docstring); ``on_up(peer id, maddrs)``
+    once it is reachable."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    key = SwarmKey.load(opts.swarm_key) if opts.swarm_key else None
+    tmp = None
+    identity = opts.identity
+    if identity is None:
+        tmp = Path(tempfile.mkdtemp(prefix="locomm-id-"))
+        identity = tmp / "identity.key"
+    elif identity.exists():
+        load_identity(identity)
+    initial = list(opts.initial_peers) or None
+    p2p = dht = None
+    try:
+        p2p = await P2P.create(initial_peers=initial, identity_path=str(identity), **opts.p2p_kwargs(initial or ()))
+        me = p2p.peer_id.to_base58()
+        validator = SwarmValidator(load_identity(identity), swarm_key=key)
+        if validator.peer_id != me:
+            raise ConfigError(f"the identity {identity} is not the key p2pd runs with")
+        if spec is not None:
+            validator.set_run(spec.hash()[:16], spec.network.heartbeat_ttl_s)
+        dht = await DHTNode.create(p2p=p2p, initial_peers=initial, record_validator=validator)
+        maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+        if opts.announce_file:
+            opts.announce_file.write_text("\n".join(maddrs) + "\n")
+        what = f"run spec {spec.hash()[:12]}" if spec is not None else "no run spec (joiners bring --config)"
+        log.info("bootstrap node %s up with %s; peers join with --initial-peers %s", me, what, maddrs[0])
+        if on_up is not None:
+            on_up(me, maddrs)
+        stored = -float("inf")
+        while not stop.is_set():
+            if spec is not None and time.monotonic() - stored > SPEC_TTL_S / 3:
+                try:
+                    await publish_spec(dht, me, spec.hash(), spec.to_toml(), closed=key is not None)
+                    stored = time.monotonic()
+                except Exception as e:  # a missed refresh is retried next time
+                    log.warning("storing the run spec failed: %s", e)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(5.0, SPEC_TTL_S / 6))
+    finally:
+        for svc in (dht, p2p):
+            if svc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(svc.shutdown(), 10)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,116 @@
+"""How a data-parallel node enters a running swarm and how it leaves one.
+
+Entering (:func:`enter_swarm`): pick the round to join at, a little ahead of the swarm's (two thirds of the
+admitted peers reached it: one peer claiming round 10^9 cannot send us there), and download the state from
+up to ``DONORS`` live peers near that round unless we resumed our own checkpoint (``peer/state.py``: what
+most of them agree on wins).
+
+Leaving (:func:`leave_swarm`), at the last round, on Ctrl-C/SIGTERM/SIGHUP: the pending exchange has been
+finished (``Node._finish``); then, for a bounded time, we keep serving our last payload until every partner of
+that round has it (a push answered OK, or a pull) or has left itself; then we publish a final heartbeat
+marked ``finished``. Partners that read it skip us without waiting for a deadline (``Gossip.gone``), and
+nobody counts us as a member from our last round on (``membership.members_for_round``). A second signal
+(``Host.hurry``) stops the hand-over at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from locomm.peer.state import StateMismatch, expected_layout, state_tensors
+from locomm.protocol.membership import swarm_round
+
+if TYPE_CHECKING:
+    from locomm.peer.node import Node
+
+__all__ = ["DONORS", "JOIN_MARGIN_ROUNDS", "STATE_ATTEMPTS", "enter_swarm", "leave_swarm", "partner_gone"]
+
+log = logging.getLogger(__name__)
+JOIN_MARGIN_ROUNDS = 2
+STATE_ATTEMPTS = 3
+"""Whole state downloads a joiner tries before it starts from the initial weights."""
+DONORS = 5
+"""Peers a joiner asks for their state (the state most of them agree on wins; see peer/state.py)."""
+STOP_HANDOVER_S = 10.0
+"""After Ctrl-C, how long a leaving peer serves its last payload to partners that have not had it yet."""
+
+
+async def enter_swarm(node: Node, resumed: bool) -> None:
+    """Pick the round to join at; download state from live peers unless we resumed our own."""
+    host = node.host
+    beats = [b for b in await host.read_beats() if b.peer != host.me]
+    top = swarm_round(beats)
+    if all(not b.started for b in beats) and top == 0:
+        node.join_round = node.round  # nobody has trained yet: start together
+        return
+    # Join a little ahead of the swarm, so every peer counts us from the same round on: peers
+    # that computed a round's membership before our heartbeat reached them never expect us in it.
+    node.join_round = max(top + JOIN_MARGIN_ROUNDS, node.round)
+    await host.publish()
+    if not resumed and top > 0:
+        # Donors: admitted peers at the swarm's round (not those claiming to be far past it, nor those
+        # leaving), newest first.
+        near = [b for b in beats if b.admitted and b.started and not b.finished and b.round <= top + 1]
+        donors = [b.peer for b in sorted(near, key=lambda b: -b.round)[:DONORS]]
+        expected = expected_layout(state_tensors(node.algo.phi, node.algo))  # what Node._snapshot serves
+        node.phase = "syncing"
+        got = None
+        for attempt in range(STATE_ATTEMPTS):  # the state moved on twice while we fetched: ask again
+            got = await host.fetch_state(donors, expected)
+            if got is not None or host.stop.is_set():
+                break
+            log.info("state download %d/%d failed; asking the donors again", attempt + 1, STATE_ATTEMPTS)
+        if got is not None:
+            try:
+                await host.compute(node.load_state, got.tensors)
+            except StateMismatch as e:  # fetch_state checked the layout already: a bug here, not a crash
+                log.warning("the downloaded state does not fit this model: %s", e)
+                got = None
+        if got is None:
+            log.warning("could not download state from %d donors; starting from the initial weights", len(donors))
+            host.events.write("sync_failed", donors=len(donors))
+        else:
+            info = dict(donor_round=got.round, tensors=len(got.tensors), rule=got.rule, faulted=len(got.faulted))
+            host.events.write("synced", donors=len(got.donors), **info)
+            log.info("synced state of round %d from %d donor(s) by %s", got.round, len(got.donors), got.rule)
+    node.round = node.join_round
+    node.trainer.step = node.round * node.spec.outer.inner_steps
+    await host.settle_view()
+
+
+def partner_gone(node: Node, peer: str, round_idx: int) -> bool:
+    """``Gossip.gone``: whether ``peer`` left before ``round_idx`` (its final heartbeat, as last read). While
+    we wait on a partner, the heartbeats are read again about once a second, so a goodbye is seen soon."""
+    b = node.host.beats.get(peer)
+    if b is not None and b.finished and b.round <= round_idx:
+        return True
+    node.host.refresh_soon()
+    return False
+
+
+async def leave_swarm(node: Node, handover_s: float) -> None:
+    """Serve our last round's payload until its partners have it (or left, or ``handover_s``, or a second
+    signal), then publish the final heartbeat that says we left."""
+    host, last = node.host, node.round - 1
+    bound = min(handover_s, STOP_HANDOVER_S) if host.stop.is_set() else handover_s
+    t0 = time.monotonic()
+    waiting = set()
+    while not host.hurry.is_set():
+        waiting = {p for p in node.gossip.undelivered(last) if not partner_gone(node, p, last + 1)}
+        waiting -= node.gossip.banned
+        if not waiting or time.monotonic() - t0 > bound:
+            break
+        node.phase = "handing over"
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(host.hurry.wait(), 0.25)
+    node.left = True
+    node.phase = "left"
+    await host.publish()
+    handover = time.monotonic() - t0
+    host.events.write("left", round=node.round, handover_s=handover, undelivered=sorted(waiting))
+    if waiting:
+        log.info("left after %.1f s; %d partner(s) never took our last payload", handover, len(waiting))

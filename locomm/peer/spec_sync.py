@@ -1,0 +1,101 @@
+"""Which run spec a starting peer runs: its own, or the one the swarm it joins publishes.
+
+- No ``--initial-peers``: the peer starts a swarm with its own spec.
+- ``--initial-peers`` without ``--config``: the spec the named peers (their ``/p2p/ID``) sign, and nobody
+  else's (``peer/records.py``); they must agree. None found is an error (is --initial-peers right? a
+  bootstrap node that trains nothing publishes a spec only when it was given one).
+- ``--initial-peers`` with ``--config``: the swarm's spec must be this one. When the named peers publish
+  none (a dedicated bootstrap node, ``locomm-peer bootstrap``, that trains nothing), this peer's own spec
+  starts the swarm: it publishes it, and every later peer, with or without --config, finds it.
+
+Whatever spec a peer runs, the host stores it again under the peer's own key every SPEC_TTL_S / 3
+(``Host.publish_spec``), so the spec lives as long as any peer of the swarm does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from locomm import PROTOCOL_VERSION
+from locomm.config import RunSpec
+from locomm.peer.options import SpecMismatch
+from locomm.peer.swarm import fetch_spec, peer_ids_of
+
+if TYPE_CHECKING:
+    from locomm.peer.host import Host
+
+__all__ = ["settle_spec"]
+
+log = logging.getLogger(__name__)
+FETCH_ATTEMPTS = 20
+"""Reads of the initial peers' spec records, 0.5 s apart, before a peer decides the swarm has none."""
+
+
+async def settle_spec(host: Host) -> RunSpec:
+    """The spec ``host`` runs (see the module docstring); raises SpecMismatch for a swarm it cannot join."""
+    opts, own = host.opts, host.spec
+    if not opts.initial_peers:
+        return own
+    closed = host.swarm_key is not None
+    trusted = peer_ids_of(opts.initial_peers)
+    if not trusted:
+        raise SpecMismatch("--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>")
+    found: dict[str, dict[str, Any]] = {}
+    # With --config, an empty swarm is no error: fewer reads before this peer starts it with its own spec.
+    attempts = 6 if opts.spec_from_user else FETCH_ATTEMPTS
+    for attempt in range(attempts):
+        for peer, spec in zip(trusted, await asyncio.gather(*(_fetch(host, p) for p in trusted))):
+            if spec is not None:
+                found[peer] = spec
+        if len(found) == len(trusted) or (found and attempt >= 3):  # an initial peer may be gone
+            break
+        await asyncio.sleep(0.5)
+    if not found:
+        if opts.spec_from_user:
+            log.warning(
+                "the peers in --initial-peers publish no run spec%s: this peer starts the swarm with its own "
+                "(%s); peers joining after it find it",
+                " that verifies with this --swarm-key" if closed else "",
+                own.hash()[:12],
+            )
+            host.events.write("spec_published", hash=own.hash(), reason="none in the swarm")
+            return own
+        if closed:
+            raise SpecMismatch("no run spec in the swarm verifies with this --swarm-key (is it the swarm's key?)")
+        raise SpecMismatch(
+            "no run spec found in the swarm (is --initial-peers right? a bootstrap node publishes one only "
+            "when started with --config; else pass --config)"
+        )
+    if len({(v["hash"], v["closed"]) for v in found.values()}) > 1:
+        named = ", ".join(f"{p[-8:]}: {v['hash'][:12]}" for p, v in found.items())
+        raise SpecMismatch(f"the peers in --initial-peers publish different run specs ({named}); join one swarm")
+    remote = next(iter(found.values()))
+    if remote["closed"] and not closed:
+        raise SpecMismatch("this swarm is closed: pass --swarm-key")
+    if remote["version"] != PROTOCOL_VERSION:
+        raise SpecMismatch(
+            f"the swarm speaks protocol {remote['version']}, this peer {PROTOCOL_VERSION}; upgrade locomm"
+        )
+    if opts.spec_from_user and remote["hash"] != own.hash():
+        raise SpecMismatch(
+            f"the swarm's run spec {remote['hash'][:12]} differs from yours "
+            f"{own.hash()[:12]}; join without --config to take the swarm's"
+        )
+    spec = RunSpec.from_toml(remote["toml"])
+    if spec.hash() != remote["hash"]:
+        raise SpecMismatch("the swarm's published spec does not match its own hash")
+    if not opts.spec_from_user:
+        spec.data.check_from_swarm()  # the swarm's spec never names a path on this disk
+    return spec
+
+
+async def _fetch(host: Host, peer: str) -> dict[str, Any] | None:
+    try:
+        return await fetch_spec(host.dht, peer)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # one unreachable initial peer is not fatal
+        log.debug("spec of %s: %s", peer[-8:], e)
+        return None

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from locomm import __version__
+from locomm.checkpoint import save_tensors_atomic
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.host import Host
@@ -114,6 +115,8 @@ class Node:
         if self.opts.checkpoint_dir is None:
             return False
         ckpt = self.trainer.try_resume(self.opts.checkpoint_dir)
+        if self.trainer.set_aside is not None:  # unreadable: kept aside for the user; we sync from the swarm
+            self.host.events.write("checkpoint_set_aside", **self.trainer.set_aside.event())
         if ckpt is None:
             return False
         self.algo.load_state_dict(ckpt.aux)
@@ -247,10 +250,7 @@ class Node:
         final_val = self.val_loss = math.nan if host.hurry.is_set() else await host.compute(self.trainer.evaluate)
         await host.compute(self._checkpoint)
         if self.opts.final_weights and not host.stop.is_set():
-            from safetensors.torch import save_file  # noqa: PLC0415
-
-            phi = {k: v.contiguous() for k, v in self.algo.phi.items()}
-            await host.compute(save_file, phi, str(self.opts.final_weights))
+            await host.compute(save_tensors_atomic, self.opts.final_weights, self.algo.phi)
         self.summary = self._summary(initial_val, final_val, first_heartbeat_s)
         host.events.write("finished", **self.summary)
         host.report("finish", self.summary)

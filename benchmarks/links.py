@@ -4,11 +4,19 @@ Every peer runs in its own namespace on one Linux bridge (locomm/testing/netlab.
 tbf in both directions: the host end's egress is the peer's upload, the bridge end's egress its
 download. Peer 0 starts the swarm and writes its multiaddrs to an announce file; the others join
 through the one on peer 0's namespace address, all with the same run spec file. With ``--nat K`` the
-last K peers sit behind a NAT router each (MASQUERADE, no inbound): they dial out, nobody dials in.
+last K peers sit behind a NAT router each (MASQUERADE, no inbound): they dial out, nobody dials in; they
+join with ``--reachability private`` (``--nat-reachability auto``: AutoNAT finds out), so they reserve a
+relay slot on the open peers at once (libp2p circuit relay v2; hole punching is tried over it).
+``--relays K`` starts K bare relays (``locomm/testing/relay.py``) on the open hosts and gives the NATed
+peers them and peer 0 as ``--relay``: go-libp2p's auto-relay waits for 4 relay candidates (or 3 minutes).
+``--wan 11.77``: the bridge's subnet looks public to libp2p (netlab.Lab's ``wan``), which relayed addresses
+and hole punching need; nothing leaves the lab's namespaces.
 
     sudo python benchmarks/links.py --config benchmarks/configs/links-nano.toml --rounds 3 --rate 80mbit
     sudo python benchmarks/links.py --config benchmarks/configs/links-nano.toml --rounds 3 --rate none
     sudo python benchmarks/links.py --config benchmarks/configs/links-nano.toml --rounds 2 --nat 1
+    sudo python benchmarks/links.py --config benchmarks/configs/links-nano-nat.toml --peers 4 --nat 2 --rounds 4 \
+        --wan 11.77 --relays 3       # NAT to NAT: through a circuit relay (docs/results/nat.md)
     sudo python benchmarks/links.py --config benchmarks/configs/links-56m.toml --rounds 2 --rate 80mbit \\
         --timeout 900 --out benchmarks/results/links-56m.json
     sudo python benchmarks/links.py --config benchmarks/configs/links-pipeline-tiny.toml --pipeline 2x2 \
@@ -22,7 +30,10 @@ Output: one JSON object, printed as the last stdout line and written to ``--out`
 per peer its join summary (the last stdout line of ``join --json``; every key read with .get, so a
 key the daemon does not write is null), its "round" and "exchange" log events verbatim, and its
 link; then totals (exchanges, faults, bans, bytes, wall-clock, the share of compute wall-clock
-spent waiting on the network, mean losses). Needs root (netlab.available() says why not). Ctrl-C
+spent waiting on the network, mean losses) and ``paths``: one row per partner payload that arrived
+(receiver, sender, round, via push/pull, conn direct/relay, the pair's kind: open-open, open-nat, nat-nat),
+from the peers' ``exchange`` events (``locomm/peer/paths.py``), or their ``exchange path:`` log lines.
+Needs root (netlab.available() says why not). Ctrl-C
 or SIGTERM: the lab stops the peers (SIGINT, then SIGKILL after ``--grace``), deletes the
 namespaces, and the partial JSON is still written.
 """
@@ -34,6 +45,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -87,8 +99,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--nat", type=int, default=0, help="The last K peers sit behind a NAT router each")
     ap.add_argument(
+        "--nat-reachability",
+        choices=["private", "auto"],
+        default="private",
+        help="--reachability of the NATed peers' join (auto: AutoNAT decides, after a few dial-backs)",
+    )
+    ap.add_argument(
         "--algo", choices=["noloco", "gasloc", "sparseloco", "diloco"], help="Override outer.algo of the config"
     )
+    ap.add_argument("--relays", type=int, default=0, help="Bare circuit relays to start on the open hosts")
+    ap.add_argument("--wan", default="10.77", help="First two octets of the lab's bridge subnet (11.77: public)")
     ap.add_argument("--seed", type=int, default=0, help="Seed of the per-peer rate draw")
     ap.add_argument("--device", default="cpu", help="--device for every peer (default cpu)")
     ap.add_argument("--timeout", type=float, default=600.0, help="Stop the peers after this many seconds")
@@ -206,6 +226,39 @@ def _mean(xs: list[Any]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+PATH_LINE = re.compile(r"exchange path: round=(\d+) peer=(\S+) via=(\w+) conn=(\w+)")
+
+
+def read_paths(i: int, folder: Path, events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+    """How each partner payload reached peer ``i``: its ``exchange`` events, else its log lines."""
+    keys = ("round", "peer", "via", "conn")
+    ev = [{k: e.get(k) for k in keys} for e in events if e.get("event") == "exchange" and "via" in e]
+    if ev:
+        return ev, "events"
+    err = folder / f"peer{i}.err"
+    text = err.read_text(errors="replace") if err.exists() else ""
+    rows = [dict(zip(keys, (int(m[1]), m[2], m[3], m[4]))) for m in PATH_LINE.finditer(text)]
+    return rows, ("log" if rows else None)
+
+
+def path_table(peers: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
+    """One row per payload that arrived (receiver, sender, round, via, conn, pair), and counts per pair kind."""
+    index = {p["peer_id"]: p["index"] for p in peers if p.get("peer_id")}
+    nat = {p["index"]: p["nat"] for p in peers}
+    rows, counts = [], {}
+    for p in peers:
+        for r in p.get("paths", []):
+            j = index.get(r["peer"])
+            kinds = sorted(("nat" if nat.get(x) else "open") for x in (p["index"], j))
+            pair = "-".join(kinds[::-1] if kinds == ["nat", "open"] else kinds)
+            rows.append({"receiver": p["index"], "sender": j, "round": r["round"], "via": r["via"], "conn": r["conn"]})
+            rows[-1]["pair"] = pair
+            c = counts.setdefault(pair, {})
+            c[f"{r['via']}/{r['conn']}"] = c.get(f"{r['via']}/{r['conn']}", 0) + 1
+    rows.sort(key=lambda r: (r["round"], r["receiver"], r["sender"] if r["sender"] is not None else -1))
+    return rows, counts
+
+
 def collect_peer(i: int, folder: Path, host: netlab.Host | None, proc: subprocess.Popen | None) -> dict[str, Any]:
     events = read_events(folder / f"peer{i}.jsonl")
     raw = last_json_line(folder / f"peer{i}.out")
@@ -242,6 +295,7 @@ def collect_peer(i: int, folder: Path, host: netlab.Host | None, proc: subproces
         "events": [e for e in events if e.get("event") in KEPT_EVENTS],
         "other_events": [e for e in events if e.get("event") not in KEPT_EVENTS + ("started",)],
     }
+    peer["paths"], peer["paths_source"] = read_paths(i, folder, events)
     if proc is None or proc.returncode not in (0, None) or not raw:
         err = folder / f"peer{i}.err"
         peer["stderr_tail"] = err.read_text(errors="replace")[-3000:] if err.exists() else None
@@ -315,6 +369,27 @@ def tcp_connections(host: netlab.Host) -> set[str]:
     return pairs
 
 
+def start_relays(args: argparse.Namespace, hosts: list[netlab.Host], folder: Path, env: dict[str, str]) -> list[str]:
+    """``--relays`` bare relays (locomm/testing/relay.py), round-robin on the open ``hosts``; their multiaddrs."""
+    outs = []
+    for k in range(args.relays):
+        h, out = hosts[k % len(hosts)], folder / f"relay{k}.txt"
+        cmd = [sys.executable, "-m", "locomm.testing.relay", "--host-maddr", f"/ip4/{h.ip}/tcp/0", "--out", str(out)]
+        err = open(folder / f"relay{k}.err", "w")  # noqa: SIM115 - the child holds it; closed with the lab
+        h.popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        outs.append((h, out))
+    maddrs = []
+    end = time.monotonic() + STARTUP_TIMEOUT_S
+    for h, out in outs:
+        while not out.exists():
+            if time.monotonic() > end:
+                raise RuntimeError(f"relay {out.stem} did not start: {(folder / (out.stem + '.err')).read_text()}")
+            time.sleep(0.2)
+        maddrs.append(next(m for m in out.read_text().split() if f"/{h.ip}/" in m))
+        log(args, f"links: relay at {maddrs[-1]}")
+    return maddrs
+
+
 def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict[str, Any]) -> None:
     n = args.peers
     spec_path = folder / "run.toml"
@@ -322,11 +397,13 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
     rates = state["rates"]
     threads = str(max(1, (os.cpu_count() or 1) // n))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
-    with netlab.Lab(grace_s=args.grace) as lab, contextlib.ExitStack() as stack:
+    with netlab.Lab(grace_s=args.grace, wan=args.wan) as lab, contextlib.ExitStack() as stack:
         hosts = [lab.add_host(f"p{i}", rate=rates[i], nat=i >= n - args.nat) for i in range(n)]
         state["hosts"] = hosts
         for h in hosts:
             log(args, f"links: {h}")
+        relays = start_relays(args, [h for h in hosts if not h.nat], folder, env)
+        state["relays"] = relays
         if args.measure_links:
             ref = lab.add_host("ref")
             measured = []
@@ -357,6 +434,8 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
                 "--host-maddrs",
                 f"/ip4/{h.ip}/tcp/0",
                 "--json",
+                *(["--reachability", args.nat_reachability] if h.nat else []),
+                *(a for r in ([initial, *relays] if h.nat and relays else []) for a in ("--relay", r)),
                 *args.peer_arg,
                 config=spec_path,
                 device=args.device,
@@ -546,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         result["timed_out"] = bool(state.get("timed_out"))
         result["bootstrap"] = state.get("bootstrap")
+        result["relays"] = state.get("relays")
+        result["wan"] = args.wan
         result["measured_links"] = state.get("measured_links")
         hosts, procs = state["hosts"], state["procs"]
         t0 = state.get("t0")
@@ -559,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
             c = state["connections"]
             p["tcp_connections"] = sorted(c[i]) if i < len(c) else []
         result["totals"] = totals(result["per_peer"], wall)
+        result["paths"], result["path_counts"] = path_table(result["per_peer"])
         if args.keep:
             shutil.copytree(folder, args.keep, dirs_exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)

@@ -52,6 +52,21 @@ from locomm.config import ConfigError
 )
 @click.option("--announce-maddrs", multiple=True, help="Addresses others should dial (behind NAT/port forward).")
 @click.option(
+    "--no-relay",
+    is_flag=True,
+    help="Neither serve as a libp2p circuit relay for NATed peers nor reach peers through one.",
+)
+@click.option("--no-auto-relay", is_flag=True, help="Behind NAT, do not reserve a relay slot (nobody can dial us).")
+@click.option("--relay", "relays", multiple=True, help="Relay multiaddr (with /p2p/ID) to reserve on (repeatable).")
+@click.option(
+    "--reachability",
+    type=click.Choice(["auto", "public", "private"]),
+    default="auto",
+    show_default=True,
+    help="private: we are behind NAT (use a relay at once); auto: AutoNAT finds out.",
+)
+@click.option("--averager-port", type=int, default=0, help="DiLoCo: TCP port of the averager's p2pd (0: any).")
+@click.option(
     "--identity",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Private key file (RSA, created when missing): a stable peer id; it signs this peer's DHT records.",
@@ -100,6 +115,11 @@ def join(
     inner_steps: int | None,
     host_maddrs: tuple[str, ...],
     announce_maddrs: tuple[str, ...],
+    no_relay: bool,
+    no_auto_relay: bool,
+    relays: tuple[str, ...],
+    reachability: str,
+    averager_port: int,
     identity: Path | None,
     swarm_key: Path | None,
     device: str,
@@ -158,6 +178,11 @@ def join(
         spec_from_user=bool(config),
         host_maddrs=host_maddrs,
         announce_maddrs=announce_maddrs,
+        relay=not no_relay,
+        auto_relay=not no_auto_relay,
+        relays=relays,
+        reachability=None if reachability == "auto" else reachability,
+        averager_port=averager_port,
         identity=identity,
         swarm_key=swarm_key,
         device=device,

@@ -196,6 +196,10 @@ class Lab:
 
     ``grace_s``: how long processes get to exit after ``stop_signal`` before SIGKILL.
     ``signals``: install SIGINT/SIGTERM handlers (main thread only) that clean up, then chain.
+    ``wan``: the first two octets of the bridge's subnet (``<wan>.X.0/24``). The default 10.77 is private
+    (RFC 1918); libp2p treats such addresses as LAN ones: its auto-relay announces no relay addresses through
+    a relay it can only reach on a private address, and hole punching waits for a public address. ``"198.18"``
+    (RFC 2544's benchmarking range, never routed on the internet, and public to libp2p) lets both run here.
     """
 
     def __init__(
@@ -207,13 +211,16 @@ class Lab:
         latency_ms: float = LATENCY_MS,
         signals: bool = True,
         clean_stale: bool = True,
+        wan: str = "10.77",
     ) -> None:
         if not re.fullmatch(r"[a-z]{1,4}", prefix):
             raise ValueError(f"prefix must be 1-4 lowercase letters, got {prefix!r}")
         self.prefix = prefix
         seq = _next_seq()
         self.run_name = f"{prefix}{os.getpid()}x{seq}"
-        self.subnet = f"10.77.{(os.getpid() * 7 + seq) % 250 + 1}"
+        if not re.fullmatch(r"\d{1,3}\.\d{1,3}", wan):
+            raise ValueError(f"wan must be the first two octets, e.g. '10.77', got {wan!r}")
+        self.subnet = f"{wan}.{(os.getpid() * 7 + seq) % 250 + 1}"
         self.hub = f"{self.run_name}-hub"
         self.grace_s = grace_s
         self.stop_signal = stop_signal

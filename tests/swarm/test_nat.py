@@ -1,10 +1,16 @@
-"""A peer behind NAT: 3 real nano peers in network namespaces, the last one behind a MASQUERADE router.
+"""Peers behind NAT: 4 real nano peers in network namespaces, the last two behind a MASQUERADE router each.
 
-The NATed peer can dial out but nobody can dial in; it joins through the first (open) peer. Every
-peer must finish its rounds with every exchange answered: the open peers reach the NATed one only
-over connections it opened (libp2p reuses a live connection), or through whatever fallback the
-daemon has. Runs benchmarks/links.py --nat 1 (the same bench, so the two cannot drift) and reads its
-JSON. Skipped unless netlab (root, iproute2, iptables) is available. About 40 s on 2 cores.
+A NATed peer can dial out but nobody can dial in; both join through the first (open) peer with
+``--reachability private`` and reserve a libp2p circuit-relay (v2) slot on the open hosts (peer 0 and 3 bare
+relays, ``--relays 3``: go-libp2p's auto-relay waits for 4 candidates). NoLoCo with a group of 4 for 4 rounds:
+everyone exchanges with everyone every round, so the two NATed peers exchange with each other every round,
+which only a relay (or a hole-punched connection) can carry. Every exchange must complete, and every payload's
+path (pushed / pulled, over a direct / relayed connection: ``locomm/peer/paths.py``) is checked against its
+pair: open-open direct, NAT-NAT relayed (or direct once hole-punched), and the NATed peers' connections all
+outbound. The lab's bridge subnet is 11.77.X (``--wan``): libp2p treats a relay it reaches on a private
+address as a LAN one and announces no relayed address through it. Runs benchmarks/links.py (the same bench,
+so the two cannot drift) and reads its JSON. Skipped unless netlab (root, iproute2, iptables) is available.
+About 60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from locomm.testing import netlab
 
 ROOT = Path(__file__).resolve().parents[2]
 OK, WHY = netlab.available(nat=True)
-pytestmark = [pytest.mark.skipif(not OK, reason=f"netlab NAT unavailable: {WHY}"), pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.skipif(not OK, reason=f"netlab NAT unavailable: {WHY}"), pytest.mark.timeout(320)]
 
-ROUNDS = 2
+ROUNDS = 4
+PEERS, NAT = 4, 2
 
 
 def _why(result: dict, logs: Path) -> str:
@@ -40,24 +47,28 @@ def _why(result: dict, logs: Path) -> str:
     return "\n".join(lines)
 
 
-def test_three_peers_one_behind_nat(tmp_path):
+def test_four_peers_two_behind_nat_all_pairs_exchange(tmp_path):
     out = tmp_path / "nat.json"
     logs = tmp_path / "logs"
     cmd = [
         sys.executable,
         str(ROOT / "benchmarks" / "links.py"),
         "--config",
-        str(ROOT / "benchmarks" / "configs" / "links-nano.toml"),
+        str(ROOT / "benchmarks" / "configs" / "links-nano-nat.toml"),
         "--peers",
-        "3",
+        str(PEERS),
         "--nat",
-        "1",
+        str(NAT),
+        "--relays",
+        "3",
+        "--wan",
+        "11.77",
         "--rounds",
         str(ROUNDS),
         "--rate",
         "80mbit",
         "--timeout",
-        "150",
+        "200",
         "--grace",
         "15",
         "--quiet",
@@ -67,22 +78,41 @@ def test_three_peers_one_behind_nat(tmp_path):
         str(logs),
     ]
     before = set(netlab.list_netns())
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert out.exists(), f"no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     result = json.loads(out.read_text())
-    why = _why(result, logs)
+    why = _why(result, logs) + "\npaths: " + json.dumps(result.get("path_counts"))
     # nothing of the run is left behind
     assert not set(netlab.list_netns()) - before, "the bench left namespaces behind"
     peers = result["per_peer"]
-    assert [p["nat"] for p in peers] == [False, False, True], why
-    assert peers[2]["ip"].startswith("192.168.") and peers[2]["public_ip"] != peers[2]["ip"], why
+    assert [p["nat"] for p in peers] == [False, False, True, True], why
+    for p in peers[2:]:
+        assert p["ip"].startswith("192.168.") and p["public_ip"] != p["ip"], why
     assert result["error"] is None and not result["timed_out"], why
     for p in peers:
         s = p["summary"]
         assert p["returncode"] == 0, why
         assert s["rounds_completed"] == ROUNDS, why
-        assert s["exchanges_ok"] > 0, why
+        assert s["exchanges_ok"] == ROUNDS * (PEERS - 1), why  # a group of 4: every partner, every round
         assert s["exchanges_failed"] == 0, why
-    # the NATed peer's connections are all ones it opened: from its private address to the open peers
-    nat_conns = peers[2]["tcp_connections"]
-    assert nat_conns and all(c.startswith(peers[2]["ip"] + ":") for c in nat_conns), why
+        assert p["paths_source"] is not None, why
+    # every payload that arrived has its path, and each pair's path is the one its kind allows
+    rows = result["paths"]
+    assert len(rows) == ROUNDS * PEERS * (PEERS - 1), why
+    got = {(r["round"], r["receiver"], r["sender"]) for r in rows}
+    want = {(k, i, j) for k in range(ROUNDS) for i in range(PEERS) for j in range(PEERS) if i != j}
+    assert got == want, why
+    for r in rows:
+        assert r["via"] in ("push", "pull"), why
+        if r["pair"] == "open-open":
+            assert r["conn"] == "direct", why
+        elif r["pair"] == "nat-nat":  # no route between two NATs but a relay, or a hole punched through both
+            assert r["conn"] in ("relay", "direct"), why
+        else:  # the NATed peer's own outbound connection, or the relay
+            assert r["conn"] in ("direct", "relay"), why
+    nat_nat = [r for r in rows if r["pair"] == "nat-nat"]
+    assert len(nat_nat) == 2 * ROUNDS, why
+    # the NATed peers' connections are all ones they opened: from their private address to open hosts
+    for p in peers[2:]:
+        conns = p["tcp_connections"]
+        assert conns and all(c.startswith(p["ip"] + ":") for c in conns), why

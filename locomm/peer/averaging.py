@@ -4,6 +4,10 @@ This is the one place locomm uses ``hivemind.DHT`` (which forks a process with a
 p2pd of its own) instead of the node's in-loop ``DHTNode``: DecentralizedAverager
 needs it. The averager's DHT is a second identity in the process; its address
 travels in the node's heartbeat (``avg_maddrs``) so joiners can bootstrap it.
+Its p2pd listens on the node's host addresses (their IPs; the port is
+``NodeOptions.averager_port``, 0: any), announces the node's announce addresses
+with that port when it is fixed, and takes the node's relay settings
+(:func:`averager_p2p_kwargs`), so the baseline runs across machines and NATs.
 NoLoCo, GASLoC and SparseLoCo never touch this module.
 
 Each round the worker's pseudo-gradients (phi - theta) go into the averager's
@@ -48,15 +52,18 @@ class AveragerExchange:
         timeout: float,
         allreduce_timeout: float | None = None,
         group_size: int | None,
+        p2p_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         """``timeout``: for matchmaking and each request; ``allreduce_timeout`` (default ``timeout``): for
-        the all-reduce itself, which the node sizes by the payload's bytes."""
+                the all-reduce itself, which the node sizes by the payload's bytes. ``p2p_kwargs``: the DHT's p2pd
+        (``hivemind.P2P.create`` arguments; default: loopback only)."""
         import hivemind  # noqa: PLC0415
 
         self.names = names
         allreduce_timeout = timeout if allreduce_timeout is None else allreduce_timeout
         self.timeout = timeout + allreduce_timeout  # a step: find a group, then all-reduce
-        self.dht = hivemind.DHT(start=True, initial_peers=initial_peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        kw = dict(p2p_kwargs or {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"]})
+        self.dht = hivemind.DHT(start=True, initial_peers=initial_peers or None, **kw)
         tensors = [torch.zeros(shapes[n], dtype=torch.float32) for n in names]
         self.averager = hivemind.averaging.DecentralizedAverager(
             tensors,
@@ -107,6 +114,29 @@ class AveragerExchange:
         self.dht.shutdown()
 
 
+def _with_port(maddr: str, port: int) -> str:
+    """``maddr`` with its tcp/udp port set to ``port``."""
+    parts = maddr.split("/")
+    for i, p in enumerate(parts[:-1]):
+        if p in ("tcp", "udp"):
+            parts[i + 1] = str(port)
+    return "/".join(parts)
+
+
+def averager_p2p_kwargs(opts: Any, bootstrap: list[str]) -> dict[str, Any]:
+    """The averager DHT's p2pd arguments from the node's options (a :class:`locomm.peer.options.NodeOptions`):
+    its host addresses' IPs on ``averager_port``, its announce addresses' when that port is fixed (p2pd cannot
+    announce port 0: it then announces what it bound), and the node's relay settings (relays: ``bootstrap``,
+    the other averagers, unless the node names its own)."""
+    port = opts.averager_port
+    announce = [_with_port(m, port) for m in opts.announce_maddrs] if port else []
+    return {
+        "host_maddrs": [_with_port(m, port) for m in opts.host_maddrs],
+        "announce_maddrs": announce or None,
+        **opts.nat_kwargs(bootstrap),
+    }
+
+
 async def start_averager(host: Any, codec: Any, *, group_size: int | None) -> AveragerExchange:
     """The DiLoCo averager of a node on ``host`` (a :class:`locomm.peer.host.Host`), bootstrapped from the
     averager addresses in the swarm's heartbeats; the host shuts it down on exit."""
@@ -131,6 +161,7 @@ async def start_averager(host: Any, codec: Any, *, group_size: int | None) -> Av
         timeout=host.spec.network.request_timeout_s,
         allreduce_timeout=host.limits.allreduce_deadline_s(payload_bytes),
         group_size=group_size,
+        p2p_kwargs=averager_p2p_kwargs(host.opts, bootstrap),
     )
     host.on_close.append(averager.shutdown)
     return averager

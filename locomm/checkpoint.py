@@ -4,8 +4,8 @@ Notable:
 - One file, written to a temporary name in the same folder, fsynced, then renamed
   over the old one (and the folder fsynced): a crash at any point leaves either
   the old checkpoint or the new one, never a torn file. Every file the project
-  writes for the user goes through :func:`atomic_path` (:func:`atomic_write_text`,
-  :func:`save_tensors_atomic`).
+  writes for the user goes through :func:`locomm.atomic.atomic_path` (``atomic_write_text``,
+  ``atomic_write_bytes``: torch-free, re-exported here) or :func:`save_tensors_atomic`.
 - A kill mid-write leaves only a temporary file (``.checkpoint.safetensors.XXXXXXXX.tmp``);
   :func:`open_checkpoint`, the resume path, sweeps those (our pattern only, in the
   checkpoint folder) before it reads.
@@ -21,15 +21,13 @@ Notable:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 import struct
-import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,12 +36,16 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from locomm.atomic import TEMP_SUFFIX
+from locomm.atomic import atomic_path as atomic_path  # re-exported (local_swarm.py imports them from here)
+from locomm.atomic import atomic_write_bytes as atomic_write_bytes
+from locomm.atomic import atomic_write_text as atomic_write_text
+from locomm.atomic import fsync_dir as _fsync_dir
 from locomm.config import ConfigError
 
 log = logging.getLogger(__name__)
 CHECKPOINT_NAME = "checkpoint.safetensors"
 FORMAT_VERSION = 1
-TEMP_SUFFIX = ".tmp"
 CORRUPT_INFIX = ".corrupt-"
 
 
@@ -79,57 +81,6 @@ class SetAside:
 
 
 # -- atomic writes -----------------------------------------------------------------------
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:  # make the rename itself durable; not every filesystem lets a folder be opened
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; what the body writes there replaces ``path`` whole on exit.
-
-    The temporary file is fsynced before the rename and the folder after it; on an error it is removed,
-    and a kill leaves it for :func:`sweep_temp_files`. Parent folders are created.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDWR)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old or the new file, nothing between."""
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-
-
-def atomic_write_text(path: Path, text: str, encoding: str = "utf-8") -> None:
-    """Write ``text`` to ``path`` atomically (see :func:`atomic_path`)."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding=encoding)
 
 
 def save_tensors_atomic(

@@ -188,6 +188,11 @@ class PeerGroup:
         # Share the cores instead of every peer's torch grabbing all of them.
         threads = str(max(1, (os.cpu_count() or 1) // self.size))
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, MARKER: str(self.folder)}
+        # TMPDIR in the folder: what a SIGKILLed peer leaves there (its identity folder) goes with it. Not
+        # when that path is long: torch's shm manager binds a socket under it (`torch-shm-dir-XXXXXX/
+        # manager.sock`), and a socket path has at most 107 bytes.
+        if len(str(self.folder)) <= 60:
+            env["TMPDIR"] = str(self.folder)
         kw: dict[str, Any] = dict(stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, env=env)
         if self.spawn is not None:
             p = self.spawn(i, cmd, **kw)

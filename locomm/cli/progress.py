@@ -187,5 +187,8 @@ def write_plot(path: Path, runs: list[dict[str, Any]]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    from locomm.atomic import atomic_path  # noqa: PLC0415
+
+    with atomic_path(Path(path)) as tmp:  # the temp name ends in .tmp: the format is given
+        fig.savefig(tmp, dpi=100, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)

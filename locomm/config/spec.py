@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from locomm import PROTOCOL_VERSION
+from locomm.atomic import atomic_write_text
 from locomm.config.base import ConfigError, check
 from locomm.config.defence import DefenceConfig
 from locomm.config.distributed import CompressionConfig, NetworkConfig, OuterConfig, PipelineConfig
@@ -178,7 +179,7 @@ class RunSpec:
         return "\n".join(lines)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_toml(), encoding="utf-8")
+        atomic_write_text(Path(path), self.to_toml())
 
     # -- identity -----------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P
 
+from locomm.atomic import atomic_write_text
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.options import NodeOptions
 from locomm.peer.records import SPEC_TTL_S, SwarmKey, SwarmValidator, load_identity
@@ -70,7 +71,7 @@ async def run_bootstrap(
         dht = await DHTNode.create(p2p=p2p, initial_peers=initial, record_validator=validator)
         maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
         if opts.announce_file:
-            opts.announce_file.write_text("\n".join(maddrs) + "\n")
+            atomic_write_text(opts.announce_file, "\n".join(maddrs) + "\n")
         what = f"run spec {spec.hash()[:12]}" if spec is not None else "no run spec (joiners bring --config)"
         log.info("bootstrap node %s up with %s; peers join with --initial-peers %s", me, what, maddrs[0])
         if on_up is not None:

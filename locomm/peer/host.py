@@ -38,6 +38,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from locomm.atomic import atomic_write_text
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.gossip import Faults, Gossip
@@ -281,7 +282,7 @@ class Host:
         self.start_heartbeats()
         maddrs = [str(m) for m in self.maddrs]
         if self.opts.announce_file:
-            self.opts.announce_file.write_text("\n".join(maddrs) + "\n")
+            atomic_write_text(self.opts.announce_file, "\n".join(maddrs) + "\n")
         self.events.write("started", peer=self.me, maddrs=maddrs, run=self.run_id, algo=self.spec.outer.algo, **fields)
         log.info("peer %s up; others join with --initial-peers %s", self.me, maddrs[0] if maddrs else "?")
 

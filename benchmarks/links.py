@@ -496,6 +496,15 @@ def boundary_stack(spec: RunSpec) -> str:
     return codec_choice("activation", spec.compression, boundary=Geometry.of(spec)).stack
 
 
+def nat_args(args: argparse.Namespace, host: netlab.Host, cmd: list[str], relays: list[str]) -> list[str]:
+    """A NATed stage peer's ``join`` gets ``--reachability`` and, with ``--relays``, its relays (+ its initial peer)."""
+    if not host.nat:
+        return cmd
+    initial = [cmd[k + 1] for k, a in enumerate(cmd[:-1]) if a == "--initial-peers"]
+    extra = [a for r in ([*initial, *relays] if relays else []) for a in ("--relay", r)]
+    return [*cmd, "--reachability", args.nat_reachability, *extra]
+
+
 def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
     """S x R stage peers, one shaped host each; the pipeline swarm's summary plus the links."""
     from locomm.cli.local_swarm import run_pipeline_swarm  # noqa: PLC0415
@@ -523,16 +532,21 @@ def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
         "rate": args.rate,
         "rate_spread": args.rate_spread,
         "rates_bps": rates,
+        "nat": args.nat,
+        "wan": args.wan,
         "cpus": os.cpu_count(),
         "started_at": time.time(),
         "error": None,
     }
     code = 0
     try:
-        with netlab.Lab(grace_s=args.grace) as lab:
-            hosts = [lab.add_host(f"p{i}", rate=rates[i]) for i in range(n)]
+        with contextlib.ExitStack() as stack, netlab.Lab(grace_s=args.grace, wan=args.wan) as lab:
+            hosts = [lab.add_host(f"p{i}", rate=rates[i], nat=i >= n - args.nat) for i in range(n)]
             for h in hosts:
                 log(args, f"links: {h}")
+            relay_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="locomm-relays-"))
+            relays = start_relays(args, [h for h in hosts if not h.nat], Path(relay_dir), dict(os.environ))
+            result["relays"] = relays
             summary = run_pipeline_swarm(
                 spec,
                 stages=args.stages,
@@ -540,7 +554,7 @@ def run_pipeline_bench(args: argparse.Namespace, spec: RunSpec) -> int:
                 quiet=args.quiet,
                 keep=args.keep,
                 peer_args=("--device", args.device, *args.peer_arg),
-                spawn=lambda i, cmd, **kw: hosts[i].popen(cmd, **kw),
+                spawn=lambda i, cmd, **kw: hosts[i].popen(nat_args(args, hosts[i], list(cmd), relays), **kw),
                 host_maddr=lambda i: f"/ip4/{hosts[i].ip}/tcp/0",
             )
         result.update(summary)

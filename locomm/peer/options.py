@@ -77,6 +77,8 @@ class NodeOptions:
             raise ConfigError(f"reachability: 'public', 'private' or None, got {self.reachability!r}")
         if self.relays and not (self.relay and self.auto_relay):
             raise ConfigError("relays need relay and auto_relay on")
+        if bad := [m for m in self.relays if "/p2p/" not in m]:  # p2pd would panic at start-up
+            raise ConfigError(f"a relay needs its peer id (/p2p/<id>): {', '.join(bad)}")
 
     def p2p_kwargs(self, initial_peers: Sequence[str] = ()) -> dict[str, Any]:
         """The node's ``hivemind.P2P.create`` arguments: its addresses and :meth:`nat_kwargs`."""

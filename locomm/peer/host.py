@@ -238,7 +238,7 @@ class Host:
     def gossip(self, codec: PayloadCodec) -> Gossip:
         """The exchange service of this run over ``codec`` (not yet served)."""
         cfg = self.spec.network
-        return Gossip(
+        g = Gossip(
             self.p2p,
             self.rpc,
             run_id=self.run_id,
@@ -251,6 +251,8 @@ class Host:
             parallel_threshold=int(cfg.parallel_threshold_mb * 2**20),
             max_wait_s=cfg.max_wait_s,
         )
+        g.stats.paths.sink = self.events.write  # one "exchange" event per payload: how it came (peer/paths.py)
+        return g
 
     async def fetch_state(self, donors: list[str], expected: Mapping[str, tuple[int, ...]]) -> Synced | None:
         """A state of ``expected``'s layout (the driver's own model) that a minority of lying ``donors`` cannot

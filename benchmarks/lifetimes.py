@@ -65,7 +65,8 @@ def kinds(token: str, launcher: int) -> dict[str, int]:
     """The marked processes, by kind."""
     table = proc_table()
     pids = [p for p in marked(token, name=MARK) if p in table]
-    peers = {p for p in pids if " join " in cmdline(p) and table[p][0] not in pids}
+    joins = {p for p in pids if " join " in cmdline(p)}
+    peers = {p for p in joins if table[p][0] not in joins}  # a fork of a peer has the same command line
     out = {"launcher": 0, "reaper": 0, "peer": 0, "helper": 0, "p2pd": 0, "other": 0}
     for p in pids:
         if p == launcher:
@@ -115,6 +116,7 @@ def watch(token: str, tmp: Path, launcher: subprocess.Popen) -> dict[str, Any]:
             launcher_s = time.monotonic() - t0
         if not marked(token, name=MARK) and not folders(tmp):
             gone_s = time.monotonic() - t0
+            launcher_s = gone_s if launcher_s is None else launcher_s
             break
         time.sleep(0.2)
     left = kinds(token, launcher.pid)
@@ -219,6 +221,10 @@ def main() -> None:
     ap = _harness.parser(__doc__, out="lifetimes.json", resume=True)
     ap.add_argument("--only", help="Comma-separated cell names (default: all of them)")
     args = ap.parse_args()
+    # A shell's background job ignores SIGINT, nohup SIGHUP, and the launchers would inherit (and honour)
+    # that: give them the defaults.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     done = _harness.Entries(args.out, resume=args.resume, window_s=WINDOW_S)
     names = args.only.split(",") if args.only else list(CELLS)
     with tempfile.TemporaryDirectory(prefix="lt-") as root:

@@ -154,6 +154,8 @@ class PeerGroup:
     def __enter__(self) -> PeerGroup:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                if sig != signal.SIGTERM and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # nohup, or a shell's background job: the user asked us to ignore it
                 self._old_handlers[sig] = signal.signal(sig, lambda *_: self.stop_requested.set())
         return self
 

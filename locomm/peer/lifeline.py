@@ -6,8 +6,9 @@ Three pieces (Linux; elsewhere the first two are no-ops and only the reaper's pi
 - :func:`pdeath_argv` wraps a command in a tiny exec shim (``python -I -S -c``) that sets
   ``prctl(PR_SET_PDEATHSIG)`` and then execs the command. The setting survives execve, so the command
   gets the signal the moment its parent dies. The shim first checks that its parent is still the process
-  that started it (the parent may have died before the prctl) and resets SIGPIPE, which Python ignores
-  and execve would keep ignored. Chosen over ``setpriv --pdeathsig``: setpriv is util-linux >= 2.33
+  that started it (the parent may have died before the prctl) and resets SIGPIPE (which Python ignores
+  and execve would keep ignored) and SIGINT (which a shell's background job ignores, while the launcher
+  stops its peers with SIGINT). Chosen over ``setpriv --pdeathsig``: setpriv is util-linux >= 2.33
   only (absent from busybox and many slim images) and cannot make the parent check; sys.executable is
   always there, for ~20 ms per start.
 - :func:`install` (once per peer process, from ``cli/daemon.py``). hivemind's ``P2P.create`` builds the
@@ -64,6 +65,7 @@ _SHIM = (
     "ctypes.CDLL(None,use_errno=True).prctl(1,int(sys.argv[1]),0,0,0)\n"
     "os.getppid()==int(sys.argv[2]) or os._exit(1)\n"
     "signal.signal(signal.SIGPIPE,signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGINT,signal.SIG_DFL)\n"
     "os.execv(sys.argv[3],sys.argv[3:])\n"
 )
 

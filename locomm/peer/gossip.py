@@ -208,6 +208,7 @@ class Gossip:
             payload = await self.server.decode(self.codec.finish, inc.dest)
         except PayloadError as e:
             raise ProtocolViolation(_PAYLOAD_CODES[e.kind], str(e)) from None
+        await self.stats.paths.arrived(round_idx, remote, pulled, self.p2p)  # how it came (peer/paths.py)
         async with self.arrived:
             self.mailbox[round_idx][remote] = payload
             self.arrived.notify_all()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from locomm.compression.payload import Part, PayloadCodec
+from locomm.peer.paths import PathLog
 from locomm.peer.rpc import RpcServer, TransferCut, Unreachable
 from locomm.protocol.messages import ErrorCode
 
@@ -41,6 +42,8 @@ class GossipStats:
     last_exchange: float = 0.0
     up_Bps: float = 0.0
     """Measured upload rate (bytes/s per partner stream set), an EMA over pushes."""
+    paths: PathLog = field(default_factory=PathLog)
+    """How each partner's payload arrived (pushed / pulled, direct / relayed): ``exchange`` events."""
 
 
 class Faults:

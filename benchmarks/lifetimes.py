@@ -3,13 +3,14 @@
     .venv/bin/python benchmarks/lifetimes.py [--resume] [--only dp-sigkill-3,diloco-peer-sigkill]
 
 Each cell starts ``locomm-peer swarm`` (data-parallel ``--peers 2 --rounds 50``, or ``--pipeline 2x2
---rounds 50``; nano, a 1 MB corpus) with an environment marker of its own and a TMPDIR of its own, sends
-the launcher a signal ``at_s`` seconds after its start, then polls every 0.2 s for 15 s: how many live
-processes still carry the marker (launcher, reaper, peers, p2pd, DiLoCo's forked DHT/averager; zombies do
-not count) and whether a ``locomm-*`` folder is left in TMPDIR. Whatever is still alive after that is
-SIGKILLed by the script (and counted). ``diloco-peer-sigkill`` SIGKILLs one DiLoCo peer of a running
-2-peer swarm once its DHT and averager children are up, and counts its descendants (forked helpers and
-both p2pd) alive 15 s later; then it stops the launcher with SIGINT and checks as above.
+--rounds 50``; nano, a 1 MB corpus) with an environment marker of its own and a TMPDIR of its own, and
+sends the launcher a signal ``at_s`` seconds after its start (``up``: 3 s after every peer's p2pd is up).
+Then it polls every 0.2 s for 15 s: how many live processes still carry the marker (launcher, reaper,
+peers, p2pd, DiLoCo's forked DHT/averager; zombies do not count) and whether a ``locomm-*`` folder is
+left in TMPDIR. Whatever is still alive after that is SIGKILLed by the script (and counted).
+``diloco-peer-sigkill`` SIGKILLs one DiLoCo peer of a running 2-peer swarm once its DHT and averager
+children are up, and counts its descendants (forked helpers and both p2pd) alive 15 s later; then it
+stops the launcher with SIGINT and checks as above.
 
 Results: benchmarks/results/lifetimes.json (one entry per cell, written after each), and a table.
 """
@@ -39,7 +40,11 @@ MODES = {
     "pipe": ["--pipeline", "2x2", "--rounds", "50"],
 }
 EVENTS = [("sigint", 2), ("sigint", 6), ("sigint", 12), ("sigterm", 6), ("sighup", 6), ("sigkill", 3), ("sigkill", 12)]
-CELLS = {f"{m}-{s}-{t}": (m, s, t) for m in MODES for s, t in EVENTS} | {"diloco-peer-sigkill": ("dp", "peer", 0)}
+# "up": 3 s after every peer's p2pd is up (on a busy machine 12 s can still be the launcher's start-up).
+UP = [("sigint", "up"), ("sighup", "up"), ("sigkill", "up")]
+SIZE = {"dp": 2, "pipe": 4}
+CELLS = {f"{m}-{s}-{t}": (m, s, t) for m in MODES for s, t in EVENTS + UP}
+CELLS["diloco-peer-sigkill"] = ("dp", "peer", 0)
 
 
 def proc_table() -> dict[int, tuple[int, str]]:
@@ -152,6 +157,12 @@ def run_cell(name: str, root: Path) -> dict[str, Any]:
             except RuntimeError as e:
                 raise RuntimeError(f"{e}\n{(cell / 'launcher.err').read_text()[-3000:]}") from None
             sig, out["then"] = "sigint", "SIGINT to the launcher"
+        elif at_s == "up":
+            deadline = time.monotonic() + 180
+            while kinds(token, launcher.pid)["p2pd"] < SIZE[mode] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            out["up_after_s"] = round(time.monotonic() - t0, 1)
+            time.sleep(3)
         else:
             while time.monotonic() - t0 < at_s and launcher.poll() is None:
                 time.sleep(0.05)

@@ -119,6 +119,8 @@ class Host:
             self.validator = SwarmValidator(load_identity(self.identity), swarm_key=self.swarm_key)
             if self.validator.peer_id != self.me:
                 raise ConfigError(f"the identity {self.identity} is not the key p2pd runs with")
+            if self._id_dir is not None:  # a throwaway key, now in p2pd and the validator: no file outlives a kill
+                shutil.rmtree(self._id_dir, ignore_errors=True)
             for peer in peer_ids_of(self.opts.initial_peers):
                 self.validator.trust(peer)
             known = not initial or self.opts.spec_from_user  # this run's keys are guarded from the start

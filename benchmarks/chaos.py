@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import heapq
 import json
+import math
 import os
 import random
 import shutil
@@ -78,6 +79,7 @@ REPO = _harness.REPO
 DEFAULT_CONFIG = REPO / "benchmarks" / "configs" / "chaos-nano.toml"
 KINDS = (
     "kill_restart",
+    "kill_starting",
     "corrupt_restart",
     "stop_cont",
     "slow_link",
@@ -87,6 +89,7 @@ KINDS = (
 )
 WEIGHTS = {
     "kill_restart": 0.20,
+    "kill_starting": 0.04,
     "corrupt_restart": 0.07,
     "stop_cont": 0.20,
     "slow_link": 0.18,
@@ -98,6 +101,7 @@ KEPT_EVENTS = {
     "started",
     "round",
     "screened",
+    "exchange",
     "left",
     "finished",
     "synced",
@@ -228,7 +232,7 @@ class Chaos:
         self.joins: list[dict[str, Any]] = []
         self.findings: list[dict[str, Any]] = []
         self.orphans_after_kill: list[dict[str, Any]] = []
-        self.timeline: list[tuple[float, int, int]] = []  # (t, live, alive) samples
+        self.timeline: list[tuple[Any, ...]] = []  # (t, live, alive, load 1 min, MB available) samples
         self.heap: list[tuple[float, int, str, Callable[[], None]]] = []
         self.seq = 0
         self.next_fault = 0.0
@@ -447,9 +451,12 @@ class Chaos:
         if removable:
             for k in ("kill_restart", "corrupt_restart", "stop_cont", "leave_exchanging", "leave_random"):
                 feasible[k] = removable
-        starting = [i for i in self.incs if i.alive and i.t_up is None and i.cause is None]
-        if starting:  # a peer still starting (building, syncing) is not counted by the floor: it may die too
-            feasible["kill_restart"] = removable + starting
+        # a peer still starting (building, syncing) for 3 s is not counted by the floor: it may die too
+        starting = [
+            i for i in self.incs if i.alive and i.t_up is None and i.cause is None and self.now() - i.t_start > 3
+        ]
+        if starting:
+            feasible["kill_starting"] = starting
         shapeable = [i for i in self.live() if not i.machine.shaped]
         if shapeable:
             feasible["slow_link"] = shapeable
@@ -459,19 +466,17 @@ class Chaos:
             return False
         kinds = list(feasible)
         kind = self.rng.choices(kinds, weights=[self.weights[k] for k in kinds])[0]
-        targets = feasible[kind]
-        if kind == "kill_restart" and starting and removable:  # mostly live peers; a starting one 1 time in 4
-            targets = starting if self.rng.random() < 0.25 else removable
-        target = self.rng.choice(targets)
+        target = self.rng.choice(feasible[kind])
         getattr(self, f"do_{kind}")(target)
         return True
 
-    def do_kill_restart(self, inc: Inc, corrupt: bool = False) -> None:
+    def do_kill_starting(self, inc: Inc) -> None:
+        self.do_kill_restart(inc, kind="kill_starting")
+
+    def do_kill_restart(self, inc: Inc, corrupt: bool = False, kind: str = "kill_restart") -> None:
         delay = self.rng.uniform(1.0, 25.0)
         mode = self.rng.choice(["truncate", "garbage"]) if corrupt else None
-        rec = self.fault(
-            "corrupt_restart" if corrupt else "kill_restart", inc, restart_after_s=round(delay, 2), corrupt=mode
-        )
+        rec = self.fault("corrupt_restart" if corrupt else kind, inc, restart_after_s=round(delay, 2), corrupt=mode)
         group = self.group_pids(inc.peer.pid)
         inc.cause, inc.t_signal = "sigkill", self.now()
         inc.peer.kill(group=False)  # the peer alone: its p2pd must follow by its parent-death signal
@@ -661,7 +666,7 @@ class Chaos:
                 self.last_scan = self.now()
                 self.scan_sockets()
             if not self.timeline or self.now() - self.timeline[-1][0] >= 5:
-                self.timeline.append((round(self.now(), 1), len(self.live()), len(self.alive())))
+                self.timeline.append((round(self.now(), 1), len(self.live()), len(self.alive()), *machine_load()))
             if self.now() - last_save > 60 and a.out:
                 last_save = self.now()
                 state["partial"] = True
@@ -731,6 +736,18 @@ class Chaos:
                 inc.events.extend(inc.tail.read())
         spec = RunSpec.load(self.spec_path)
         return analyse(self, spec, state)
+
+
+def machine_load() -> tuple[float, int]:
+    """The 1-minute load average and the MB of memory available (others' jobs share this machine)."""
+    try:
+        load = float(Path("/proc/loadavg").read_text().split()[0])
+        avail = next(
+            int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable")
+        )
+        return load, avail // 1024
+    except (OSError, ValueError, StopIteration, IndexError):
+        return math.nan, -1
 
 
 def proc_table() -> dict[int, tuple[int, str]]:
@@ -810,6 +827,7 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
         arrived = {
             (e.get("round"), q) for e in inc.events if e.get("event") == "screened" for q in e.get("senders") or []
         }
+        arrived |= {(e.get("round"), e.get("peer")) for e in inc.events if e.get("event") == "exchange"}
         screened = {e.get("round") for e in inc.events if e.get("event") == "screened"}
         own = iv.get(inc.key, [])
         # event k (round j+1) planned exchange j with its partners; event k+1 (round j+2) says how many answered
@@ -863,7 +881,9 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
                 g = gaps[k - 1]
                 a, b = rounds[k - 1]["time"] - c.t0, rounds[k]["time"] - c.t0
                 self_hit = _hit(own, a, b)
-                cls = "faulted" if self_hit else "non_faulted"
+                partners = rounds[k - 1].get("partners") or []
+                p_hits = [h for q in partners for h in _hit(iv.get(key_of.get(q, ""), []), a, b)]
+                cls = "faulted" if self_hit else "non_faulted_partner_faulted" if p_hits else "non_faulted_clean"
                 if g > deadline:
                     over_deadline[cls] += 1
                 stalls.append(
@@ -877,7 +897,8 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
                         "over_deadline_s": round(g - deadline, 2),
                         "class": cls,
                         "own_faults": self_hit,
-                        "partners": [key_of.get(q, q[-8:]) for q in rounds[k - 1].get("partners") or []],
+                        "partners": [key_of.get(q, q[-8:]) for q in partners],
+                        "partner_faults": p_hits,
                     }
                 )
             if inc.alive or (inc.t_exit or 0) > end:  # the tail: no round since the last one, up to the end
@@ -986,7 +1007,17 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
     corrupt = []
     for f in c.faults:
         if f["kind"] == "corrupt_restart":
-            nxt = next((p for p in per_inc if p["inc"] == f.get("restarted_as")), None)
+            # the incarnations of that identity from the restart on, up to the first that came up
+            later = [p for p in per_inc if p["key"] == f.get("key") and p["t_start"] >= f["t"]]
+            upto = next((k for k, p in enumerate(later) if p["t_up"] is not None), len(later) - 1)
+            seen = later[: upto + 1]
+            nxt = {
+                "checkpoint_set_aside": [e for p in seen for e in p["checkpoint_set_aside"]],
+                "synced": [e for p in seen for e in p["synced"]],
+                "sync_failed": [e for p in seen for e in p["sync_failed"]],
+                "resumed": seen[-1]["resumed"] if seen else None,
+                "incs": [p["inc"] for p in seen],
+            }
             corrupt.append(
                 {
                     "fault": f["id"],
@@ -995,11 +1026,13 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
                     "set_aside": bool(nxt and nxt["checkpoint_set_aside"]),
                     "synced": bool(nxt and nxt["synced"]),
                     "sync_failed": bool(nxt and nxt["sync_failed"]),
-                    "resumed": nxt and nxt["resumed"],
+                    "resumed": nxt["resumed"],
+                    "incarnations": nxt["incs"],
                 }
             )
     stalls.sort(key=lambda s: -s["over_deadline_s"])
     nf = [s for s in stalls if s["class"] != "faulted"]
+    clean = [s for s in stalls if s["class"] in ("non_faulted_clean", "non_faulted_tail")]
     counts = Counter(f["kind"] for f in c.faults)
     return {
         "bench": "chaos",
@@ -1019,6 +1052,7 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
         "heartbeat_ttl_s": net.heartbeat_ttl_s,
         "stall_timeout_s": net.stall_timeout_s,
         "t_faults_begin": state.get("t_faults_begin"),
+        "git_commit_start": state.get("git_commit_start"),
         "chaos_s": round(end - (state.get("t_faults_begin") or 0), 1),
         "fault_counts": {k: counts.get(k, 0) for k in KINDS},
         "faults_total": len(c.faults),
@@ -1036,6 +1070,7 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
         "rounds_over_deadline": dict(over_deadline),
         "longest_stall": stalls[0] if stalls else None,
         "longest_stall_non_faulted": nf[0] if nf else None,
+        "longest_stall_clean": clean[0] if clean else None,
         "top_stalls": stalls[:25],
         "corrupt_restarts": corrupt,
         "leaves": [{"inc": p["inc"], **p["leave"]} for p in per_inc if p["leave"]],
@@ -1057,6 +1092,8 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
         "new_hivemind_sockets_in_tmp": state.get("new_hivemind_sockets"),
         "final_stop_s": state.get("final_stop_s"),
         "live_timeline": c.timeline,
+        "load_max": max((x[3] for x in c.timeline), default=None),
+        "mem_available_min_mb": min((x[4] for x in c.timeline), default=None),
         "faults": c.faults,
         "join_records": c.joins,
         "incarnations": per_inc,
@@ -1124,6 +1161,7 @@ def table(r: dict[str, Any]) -> str:
     lines.append(f"{'total':<20}{r['faults_total']:>7}")
     ls, ex, ft = r["lost_rounds"], r["exchanges_from_logs"], r["finished_totals"]
     nf = r["longest_stall_non_faulted"]
+    cl = r["longest_stall_clean"]
     st = r["longest_stall"]
     lines += [
         f"joins: {r['joins']} ({r['joins_after_spec_ttl_without_config']} without --config after the spec TTL)",
@@ -1145,6 +1183,12 @@ def table(r: dict[str, Any]) -> str:
         + (
             f"{nf['gap_s']} s ({nf['inc']} round {nf['round']} at {nf['t']} s, deadline {nf['deadline_s']} s)"
             if nf
+            else "-"
+        ),
+        "longest stall with neither the peer nor its partners faulted: "
+        + (
+            f"{cl['gap_s']} s ({cl['inc']} round {cl['round']} at {cl['t']} s, deadline {cl['deadline_s']} s)"
+            if cl
             else "-"
         ),
         f"finished summaries {ft.get('finished_summaries', 0)}: exchanges ok {ft.get('exchanges_ok', 0)} failed "
@@ -1200,7 +1244,7 @@ def main(argv: list[str] | None = None) -> int:
     spec_path = folder / "run.toml"
     spec.save(spec_path)
     socks_before = hivemind_sockets()
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {"git_commit_start": _harness.platform_info().get("git_commit")}
     chaos: Chaos | None = None
     code = 0
     lab = netlab.Lab(grace_s=10.0)

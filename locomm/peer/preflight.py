@@ -24,6 +24,7 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,25 +245,31 @@ class _ProbeP2P:
         return await NoKad.create(dht_mode="off", **kw)
 
 
-async def dial_back(probe: Any, window_s: float, ignore: set[str]) -> tuple[bool, list[str]]:
-    """Close the probe's connections, then wait up to ``window_s`` for a swarm peer (not one of ``ignore``:
-    our own observer reaches the probe through loopback) to open one."""
-    for _ in range(20):
-        peers = [p for p in await probe.list_peers() if p.peer_id.to_base58() not in ignore]
-        if not peers:
-            break
-        for info in peers:
-            with contextlib.suppress(Exception):
-                await probe._client.disconnect(info.peer_id)
-        await asyncio.sleep(0.1)
+async def dial_back(
+    probe: Any, window_s: float, ignore: set[str], cycle_s: float, reannounce: Callable[[], Awaitable[Any]]
+) -> tuple[bool, list[str]]:
+    """Hang up, then wait up to ``window_s`` for a swarm peer (not one of ``ignore``: our own observer
+    reaches the probe through loopback) to open a connection to the probe.
+
+    Each ``cycle_s`` without one, ``reannounce()`` pings the swarm again (a peer whose request to us was cut
+    by the hang-up drops us from its routing table) and we hang up once more. A connection that shows up
+    after a hang-up is one a swarm peer opened: the probe opens none while it waits."""
     deadline = time.monotonic() + window_s
-    while time.monotonic() < deadline:
-        await asyncio.sleep(0.25)
-        peers = [p.peer_id.to_base58() for p in await probe.list_peers()]
-        peers = [p for p in peers if p not in ignore]
-        if peers:
-            return True, peers
-    return False, []
+    while True:
+        for info in await probe.list_peers():
+            if info.peer_id.to_base58() not in ignore:
+                with contextlib.suppress(Exception):
+                    await probe._client.disconnect(info.peer_id)
+        cycle_end = min(deadline, time.monotonic() + cycle_s)
+        while time.monotonic() < cycle_end:
+            await asyncio.sleep(0.25)
+            peers = [p.peer_id.to_base58() for p in await probe.list_peers()]
+            if peers := [p for p in peers if p not in ignore]:
+                return True, peers
+        if time.monotonic() >= deadline:
+            return False, []
+        with contextlib.suppress(Exception):
+            await reannounce()
 
 
 async def swarm_checks(
@@ -276,7 +283,7 @@ async def swarm_checks(
     """The swarm checks, in order (listen, spec, addresses, dial-back, clock, throughput), and the run's spec."""
     from hivemind.dht import DHTNode  # noqa: PLC0415
     from hivemind.dht.routing import DHTID  # noqa: PLC0415
-    from hivemind.p2p import P2P  # noqa: PLC0415
+    from hivemind.p2p import P2P, PeerID  # noqa: PLC0415
 
     from locomm import __version__  # noqa: PLC0415
     from locomm.config import RunSpec  # noqa: PLC0415
@@ -362,9 +369,16 @@ async def swarm_checks(
         stack.push_async_callback(probe_dht.shutdown)
         visible = [str(m) for m in await probe.get_visible_maddrs(latest=True)]
         checks.append(address_check(visible, bool(announce_maddrs)))
-        window = 2 * run.network.heartbeat_interval_s + 3.0
+        # Each peer's heartbeat loop touches the key once an interval; a loaded peer can be late by a few.
+        window = 4 * run.network.heartbeat_interval_s + 10.0
         me = observer.peer_id.to_base58()
-        dial_task = asyncio.create_task(dial_back(probe, window, {me}))
+
+        async def reannounce() -> None:
+            for p in trusted:
+                await probe_dht.protocol.call_ping(PeerID.from_base58(p))
+
+        cycle = 2 * run.network.heartbeat_interval_s + 2.0
+        dial_task = asyncio.create_task(dial_back(probe, window, {me}, cycle, reannounce))
         stack.callback(dial_task.cancel)
 
         beat = Heartbeat(peer=me, join_round=NOT_ADMITTED, version=__version__)
@@ -376,7 +390,8 @@ async def swarm_checks(
         checks.append(await throughput_check(observer, me, target, run_id, limits, rtts.get(target)))
 
         dialled, by = await dial_task
-        port = "/".join(visible[0].split("/")[:5]) if visible else "?"
+        shown = [m for m in visible if not m.startswith("/ip4/127.")] or visible  # the address others would dial
+        port = "/".join(shown[0].split("/")[:5]) if shown else "?"
         if dialled:
             checks.append(
                 Check(

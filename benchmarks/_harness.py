@@ -43,6 +43,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from locomm.atomic import atomic_write_text
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -172,26 +174,7 @@ def write_json(
         elif isinstance(obj, list):
             obj = {PLATFORM_KEY: platform_info(), "rows": obj}
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    try:  # make the rename itself durable; not every filesystem lets a folder be opened
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return path
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    atomic_write_text(path, text)
     return path
 
 

@@ -25,7 +25,8 @@ floor a fresh peer is started (``refill``). Faults come at exponential intervals
 seconds; kinds overlap (a stop can outlast the next kill).
 
     sudo .venv/bin/python benchmarks/chaos.py --minutes 3 --seed 0 --keep /tmp/chaos-dev   # a dev run
-    sudo .venv/bin/python benchmarks/chaos.py --minutes 32 --seed 1 --out benchmarks/results/chaos.json
+    sudo .venv/bin/python benchmarks/chaos.py --minutes 32 --seed 1 --out benchmarks/results/chaos.json --keep /tmp/logs
+    sudo .venv/bin/python benchmarks/chaos.py --reanalyse old.json --keep /tmp/logs --out new.json  # analysis again
 
 What the report counts (docs/results/chaos.md defines each one):
 
@@ -63,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -786,7 +788,8 @@ def impaired_intervals(c: Chaos, end: float) -> dict[str, list[tuple[float, floa
         if rounds:
             first_round_after.setdefault(inc.key, []).append(rounds[0])
         # from its start until its first round a peer is joining (it may not answer)
-        iv.setdefault(inc.key, []).append((inc.t_start, rounds[0] if rounds else end, f"joining:{inc.how}"))
+        joined = rounds[0] if rounds else (inc.t_exit if inc.t_exit is not None else end)
+        iv.setdefault(inc.key, []).append((inc.t_start, joined, f"joining:{inc.how}"))
         if inc.t_signal is not None and inc.cause not in (None, "final"):
             iv[inc.key].append((inc.t_signal, end, inc.cause))  # cut at its next incarnation's first round below
     for k, lst in iv.items():
@@ -957,6 +960,7 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
                 "t_start": round(inc.t_start, 2),
                 "t_up": inc.t_up and round(inc.t_up, 2),
                 "t_exit": inc.t_exit and round(inc.t_exit, 2),
+                "t_signal": inc.t_signal and round(inc.t_signal, 3),
                 "returncode": inc.returncode,
                 "cause": inc.cause,
                 "rounds": len(rounds),
@@ -1053,6 +1057,8 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
         "stall_timeout_s": net.stall_timeout_s,
         "t_faults_begin": state.get("t_faults_begin"),
         "git_commit_start": state.get("git_commit_start"),
+        "t0": c.t0,
+        "chaos_end": state.get("chaos_end"),
         "chaos_s": round(end - (state.get("t_faults_begin") or 0), 1),
         "fault_counts": {k: counts.get(k, 0) for k in KINDS},
         "faults_total": len(c.faults),
@@ -1227,14 +1233,88 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep", type=Path, help="Copy the peers' logs here")
     ap.add_argument("--weights", nargs="*", metavar="KIND=W", help="Override fault weights (e.g. corrupt_restart=1)")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument(
+        "--reanalyse", type=Path, metavar="JSON", help="Analyse a finished run again: its JSON and --keep logs"
+    )
     args = ap.parse_args(argv)
     if not 1 <= args.floor <= args.ceiling <= args.machines or not args.floor <= args.initial <= args.ceiling:
         ap.error("need 1 <= floor <= initial <= ceiling <= machines")
     return args
 
 
+class _Peer:
+    def __init__(self, err: Path) -> None:
+        self.err = err
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.err.read_text(errors="replace")[-chars:] if self.err.exists() else ""
+
+
+def reanalyse(old: Path, logs: Path, out: Path | None) -> int:
+    """Run the analysis again on a finished run: its JSON (faults, incarnations, findings) and its kept logs
+    (``--keep``). The start time t0 is taken from the JSON, or else recovered from the 'started' events."""
+    r = json.loads(old.read_text())
+    args = argparse.Namespace(**{k: r.get(k) for k in ("seed", "minutes", "floor", "ceiling", "machines", "rate")})
+    args.config, args.fault_every, args.spec_ttl = r["config"], r["fault_every_s"], r["spec_ttl_s"]
+    c = Chaos.__new__(Chaos)
+    c.args, c.folder, c.faults, c.findings = args, logs, r["faults"], r["findings"]
+    c.orphans_after_kill, c.timeline, c.joins = r["orphans_after_kill"], r["live_timeline"], r["join_records"]
+    c.infeasible, c.weights = r["infeasible_draws"], r["weights"]
+    c.sockets = {str(k): "" for k in range(r["p2pd_sockets_seen"])}
+    c.incs = []
+    for p in r["incarnations"]:
+        inc = types.SimpleNamespace()  # what analyse() reads of an Inc
+        inc.name, inc.key, inc.how, inc.with_config = p["inc"], p["key"], p["how"], p["with_config"]
+        inc.peer_id, inc.t_start, inc.t_up, inc.t_exit = p["peer_id"], p["t_start"], p["t_up"], p["t_exit"]
+        inc.returncode, inc.cause, inc.peer = p["returncode"], p["cause"], _Peer(logs / f"{p['inc']}.err")
+        inc.events = [e for e in _read(logs / f"{p['inc']}.jsonl") if e.get("event") in KEPT_EVENTS]
+        inc.t_signal = p.get("t_signal")
+        if inc.t_signal is None and inc.cause not in (None, "final"):  # older JSON: the fault's time
+            ended = ("kill_restart", "kill_starting", "corrupt_restart", "leave_exchanging", "leave_random")
+            f = next((f for f in r["faults"] if f.get("inc") == inc.name and f["kind"] in ended), None)
+            inc.t_signal = f["t"] if f else None
+        inc.alive = inc.t_exit is None
+        c.incs.append(inc)
+    if r.get("t0"):
+        c.t0 = r["t0"]
+    else:  # the poll that saw 'started' came at most a poll interval after the event
+        c.t0 = max(e["time"] - i.t_up for i in c.incs for e in i.events if e.get("event") == "started" and i.t_up)
+    chaos_end = r.get("chaos_end") or (r["t_faults_begin"] + r["chaos_s"])
+    for inc in c.incs:
+        if inc.cause == "final" and inc.t_signal is None:
+            inc.t_signal = chaos_end
+    state = {k: r.get(k) for k in ("t_faults_begin", "git_commit_start", "orphans", "leftover_netns", "leftover_tmp")}
+    state |= {"chaos_end": chaos_end, "done": True, "interrupted": r["interrupted"], "error": r["error"]}
+    state |= {"new_hivemind_sockets": r["new_hivemind_sockets_in_tmp"], "sockets_left": r["p2pd_sockets_left"]}
+    state["final_stop_s"] = r["final_stop_s"]
+    spec = RunSpec.load(logs / "run.toml")
+    result = analyse(c, spec, state)
+    result["reanalysed_from"] = {"json": str(old), "logs": str(logs), "t0_recovered": not r.get("t0")}
+    result["platform_of_run"] = r.get("platform")
+    if out:
+        _harness.write_json(out, result, default=str)
+    print(table(result), flush=True)
+    return 0
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    out = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                e = json.loads(line)
+                if isinstance(e, dict):
+                    out.append(e)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.reanalyse:
+        if not args.keep:
+            print("error: --reanalyse needs --keep (the folder of the run's logs)", file=sys.stderr)
+            return 2
+        return reanalyse(args.reanalyse, args.keep, args.out)
     ok, why = netlab.available()
     if not ok:
         print(f"error: netlab unavailable: {why}", file=sys.stderr)

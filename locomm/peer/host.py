@@ -53,6 +53,8 @@ from locomm.protocol.membership import Heartbeat
 from locomm.protocol.timing import Limits
 
 log = logging.getLogger(__name__)
+BOOT_ATTEMPTS = 3
+"""Tries at reaching the swarm through --initial-peers (2 and 4 s apart) before a peer gives up."""
 
 
 class Host:
@@ -110,24 +112,10 @@ class Host:
             initial = list(self.opts.initial_peers) or None
             self.swarm_key = SwarmKey.load(self.opts.swarm_key) if self.opts.swarm_key else None
             self.identity = self._identity_path()
-            self.p2p = await P2P.create(
-                initial_peers=initial,
-                identity_path=str(self.identity),
-                **self.opts.p2p_kwargs(initial or ()),  # addresses, relays, auto-relay, reachability
-            )
-            self.me = self.p2p.peer_id.to_base58()
-            self.validator = SwarmValidator(load_identity(self.identity), swarm_key=self.swarm_key)
-            if self.validator.peer_id != self.me:
-                raise ConfigError(f"the identity {self.identity} is not the key p2pd runs with")
+            known = not initial or self.opts.spec_from_user  # this run's keys are guarded from the start
+            await self._connect(initial, known)
             if self._id_dir is not None:  # a throwaway key, now in p2pd and the validator: no file outlives a kill
                 shutil.rmtree(self._id_dir, ignore_errors=True)
-            for peer in peer_ids_of(self.opts.initial_peers):
-                self.validator.trust(peer)
-            known = not initial or self.opts.spec_from_user  # this run's keys are guarded from the start
-            if known:
-                self.validator.set_run(self.spec.hash()[:16], self.spec.network.heartbeat_ttl_s)
-            self.maddrs = await self.p2p.get_visible_maddrs()
-            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial, record_validator=self.validator)
             self.spec = await settle_spec(self)
             await self.publish_spec()
             net = self.spec.network
@@ -151,6 +139,40 @@ class Host:
             await self.__aexit__(type(e), e, e.__traceback__)
             raise
         return self
+
+    async def _connect(self, initial: list[str] | None, known: bool) -> None:
+        """P2P, the record validator and the DHT node. Through --initial-peers this is tried BOOT_ATTEMPTS times
+        (an initial peer on a slow link, or dying, fails p2pd's bootstrap or DHT's ping back), then it is a
+        one-line error, not a traceback."""
+        for attempt in range(BOOT_ATTEMPTS):
+            try:
+                self.p2p = await P2P.create(
+                    initial_peers=initial,
+                    identity_path=str(self.identity),
+                    **self.opts.p2p_kwargs(initial or ()),  # addresses, relays, auto-relay, reachability
+                )
+                self.me = self.p2p.peer_id.to_base58()
+                self.validator = SwarmValidator(load_identity(self.identity), swarm_key=self.swarm_key)
+                if self.validator.peer_id != self.me:
+                    raise ConfigError(f"the identity {self.identity} is not the key p2pd runs with")
+                for peer in peer_ids_of(self.opts.initial_peers):
+                    self.validator.trust(peer)
+                if known:
+                    self.validator.set_run(self.spec.hash()[:16], self.spec.network.heartbeat_ttl_s)
+                self.maddrs = await self.p2p.get_visible_maddrs()
+                self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial, record_validator=self.validator)
+                return
+            except (ConfigError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # p2pd's "failed to connect to bootstrap peers", DHT's ValidationError, ...
+                if not initial:
+                    raise
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.p2p.shutdown(), 10)
+                if attempt + 1 == BOOT_ATTEMPTS or self.stop.is_set():
+                    raise ConfigError(f"cannot reach the swarm through --initial-peers: {type(e).__name__}: {e}") from e
+                log.warning("reaching the swarm failed (%s: %s); again in %d s", type(e).__name__, e, 2 << attempt)
+                await self.sleep(2 << attempt)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.stop.set()

@@ -31,8 +31,8 @@ __all__ = ["DONORS", "JOIN_MARGIN_ROUNDS", "STATE_ATTEMPTS", "enter_swarm", "lea
 
 log = logging.getLogger(__name__)
 JOIN_MARGIN_ROUNDS = 2
-STATE_ATTEMPTS = 3
-"""Whole state downloads a joiner tries before it starts from the initial weights."""
+STATE_ATTEMPTS = 5
+"""Whole state downloads a joiner tries (2, 4, 8, 8 s apart) before it starts from the initial weights."""
 DONORS = 5
 """Peers a joiner asks for their state (the state most of them agree on wins; see peer/state.py)."""
 STOP_HANDOVER_S = 10.0
@@ -52,18 +52,20 @@ async def enter_swarm(node: Node, resumed: bool) -> None:
     node.join_round = max(top + JOIN_MARGIN_ROUNDS, node.round)
     await host.publish()
     if not resumed and top > 0:
-        # Donors: admitted peers at the swarm's round (not those claiming to be far past it, nor those
-        # leaving), newest first.
-        near = [b for b in beats if b.admitted and b.started and not b.finished and b.round <= top + 1]
-        donors = [b.peer for b in sorted(near, key=lambda b: -b.round)[:DONORS]]
+        donors = _donors(beats, top)
         expected = expected_layout(state_tensors(node.algo.phi, node.algo))  # what Node._snapshot serves
         node.phase = "syncing"
         got = None
-        for attempt in range(STATE_ATTEMPTS):  # the state moved on twice while we fetched: ask again
+        for attempt in range(STATE_ATTEMPTS):
             got = await host.fetch_state(donors, expected)
             if got is not None or host.stop.is_set():
                 break
-            log.info("state download %d/%d failed; asking the donors again", attempt + 1, STATE_ATTEMPTS)
+            # The state moved on while we fetched, a donor has not read our heartbeat yet (UNAUTHORIZED), or it
+            # left or restarted elsewhere: wait a little, then ask the donors a fresh read names.
+            log.info("state download %d/%d failed; asking again", attempt + 1, STATE_ATTEMPTS)
+            await host.sleep(min(2 << attempt, 8))
+            beats = [b for b in await host.read_beats() if b.peer != host.me]
+            donors = _donors(beats, top := swarm_round(beats))
         if got is not None:
             try:
                 await host.compute(node.load_state, got.tensors)
@@ -77,9 +79,23 @@ async def enter_swarm(node: Node, resumed: bool) -> None:
             info = dict(donor_round=got.round, tensors=len(got.tensors), rule=got.rule, faulted=len(got.faulted))
             host.events.write("synced", donors=len(got.donors), **info)
             log.info("synced state of round %d from %d donor(s) by %s", got.round, len(got.donors), got.rule)
+        # The swarm moved on while we synced: join ahead of where it is now, not where it was (a peer that starts
+        # rounds behind the others trains alone and never catches up). A peer that read our first join_round
+        # may plan us into a round or two before the new one; it skips us at that round's deadline.
+        now_top = swarm_round([b for b in await host.read_beats() if b.peer != host.me])
+        if now_top + JOIN_MARGIN_ROUNDS > node.join_round:
+            node.join_round = now_top + JOIN_MARGIN_ROUNDS
+            await host.publish()
     node.round = node.join_round
     node.trainer.step = node.round * node.spec.outer.inner_steps
     await host.settle_view()
+
+
+def _donors(beats: list, top: int) -> list[str]:
+    """Admitted peers at the swarm's round (not those claiming to be far past it, nor those leaving), newest
+    first."""
+    near = [b for b in beats if b.admitted and b.started and not b.finished and b.round <= top + 1]
+    return [b.peer for b in sorted(near, key=lambda b: -b.round)[:DONORS]]
 
 
 def partner_gone(node: Node, peer: str, round_idx: int) -> bool:

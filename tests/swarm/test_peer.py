@@ -378,6 +378,14 @@ def test_local_swarm_command(tmp_path, algo):
     assert not [p for p in seen if alive(p)]  # no orphaned peer or p2pd
 
 
+def _is_peer(pid: int) -> bool:
+    """Whether ``pid`` is a `locomm-peer join` process (the launcher's reaper is a descendant too)."""
+    try:
+        return b"\0join\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def descendants(root: int) -> dict[int, bytes]:
     """{pid: argv[0]} of every live descendant of ``root`` (from /proc, so no psutil)."""
     children: dict[int, list[int]] = {}
@@ -445,7 +453,7 @@ def test_swarm_ctrl_c_stops_everything(tmp_path, when):
             assert time.monotonic() < deadline, f"swarm not up: {seen}"
             seen.update(descendants(proc.pid))
             daemons = [p for p, a in seen.items() if b"p2pd" in a and alive(p)]
-            if when == "starting" and seen:  # the first peer process exists; it may not be up yet
+            if when == "starting" and any(_is_peer(p) for p in seen):  # a peer exists (not just the reaper)
                 break
             if (
                 when == "training"

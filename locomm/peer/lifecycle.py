@@ -7,7 +7,8 @@ most of them agree on wins).
 
 Leaving (:func:`leave_swarm`), at the last round, on Ctrl-C/SIGTERM/SIGHUP: the pending exchange has been
 finished (``Node._finish``); then, for a bounded time, we keep serving our last payload until every partner of
-that round has it (a push answered OK, or a pull) or has left itself; then we publish a final heartbeat
+that round has it (a push answered OK, or a pull) or has left itself (or, past a round, is not on its way
+to that round any more); then we publish a final heartbeat
 marked ``finished``. Partners that read it skip us without waiting for a deadline (``Gossip.gone``), and
 nobody counts us as a member from our last round on (``membership.members_for_round``). A second signal
 (``Host.hurry``) stops the hand-over at once.
@@ -108,17 +109,32 @@ def partner_gone(node: Node, peer: str, round_idx: int) -> bool:
     return False
 
 
-async def leave_swarm(node: Node, handover_s: float) -> None:
-    """Serve our last round's payload until its partners have it (or left, or ``handover_s``, or a second
-    signal), then publish the final heartbeat that says we left."""
+async def leave_swarm(node: Node, handover_s: float, max_s: float) -> None:
+    """Serve our last round's payload until its partners have it (or left, or a second signal), then publish
+    the final heartbeat that says we left.
+
+    Past ``handover_s`` we wait only for partners still on their way to that round (a fresh heartbeat at most
+    a round past it: a loaded partner may be seconds behind), and never past ``max_s``; after Ctrl-C at most
+    STOP_HANDOVER_S."""
     host, last = node.host, node.round - 1
-    bound = min(handover_s, STOP_HANDOVER_S) if host.stop.is_set() else handover_s
+    stopping = host.stop.is_set()
     t0 = time.monotonic()
-    waiting = set()
+    ttl = node.spec.network.heartbeat_ttl_s
+
+    def coming(peer: str) -> bool:
+        b = host.beats.get(peer)
+        return b is not None and not b.finished and b.round <= last + 1 and host.dht_now() - b.time < ttl
+
+    waiting: set[str] = set()
     while not host.hurry.is_set():
         waiting = {p for p in node.gossip.undelivered(last) if not partner_gone(node, p, last + 1)}
         waiting -= node.gossip.banned
-        if not waiting or time.monotonic() - t0 > bound:
+        waited = time.monotonic() - t0
+        if stopping:
+            over = waited > min(handover_s, STOP_HANDOVER_S)
+        else:
+            over = waited > max_s or (waited > handover_s and not any(coming(p) for p in waiting))
+        if not waiting or over:
             break
         node.phase = "handing over"
         with contextlib.suppress(TimeoutError):

@@ -247,7 +247,7 @@ class Node:
             end_round = self.opts.until_round
         await self._train(end_round)
         net = self.spec.network  # a partner a round behind takes our last payload up to a round later
-        await leave_swarm(self, min(max(net.request_timeout_s, self.round_s), net.max_wait_s))
+        await leave_swarm(self, max(net.request_timeout_s, self.round_s), net.max_wait_s)
         final_val = self.val_loss = math.nan if host.hurry.is_set() else await host.compute(self.trainer.evaluate)
         await host.compute(self._checkpoint)
         if self.opts.final_weights and not host.stop.is_set():

@@ -393,16 +393,15 @@ class Host:
         """``ok()`` now, else after one fresh DHT read (shared, at most one per 0.5 s: a flood costs one read)."""
         if ok():
             return True
-        if self._refresh is None or (self._refresh.done() and time.monotonic() - self._unknown_read > 0.5):
-            self._unknown_read = time.monotonic()
-            self._refresh = self.spawn(self.read_beats(), background=True)
+        self.refresh_soon(0.5)
         with contextlib.suppress(Exception):
             await asyncio.shield(self._refresh)
         return ok()
 
-    def refresh_soon(self) -> None:
-        """Read the heartbeats again in the background, unless a read began in the last second."""
-        if self._refresh is None or (self._refresh.done() and time.monotonic() - self._unknown_read > 1.0):
+    def refresh_soon(self, min_gap_s: float = 1.0) -> None:
+        """Read the heartbeats again in the background, unless a read is running or began in the last
+        ``min_gap_s`` (shared by every caller: a flood of them costs one read)."""
+        if self._refresh is None or (self._refresh.done() and time.monotonic() - self._unknown_read > min_gap_s):
             self._unknown_read = time.monotonic()
             self._refresh = self.spawn(self.read_beats(), background=True)
 

@@ -191,6 +191,39 @@ def done(path: str | Path, resume: bool = True) -> bool:
     return resume and Path(path).exists()
 
 
+def claim(path: str | Path) -> bool:
+    """Claim a one-file-per-run result for this process, so several processes can share one sweep: True if
+    the result is not on disk and no live process holds ``<path>.claim`` (a dead holder's claim is taken
+    over). The claim is removed by :func:`release` or when the result is written and the holder exits."""
+    path = Path(path)
+    if path.exists():
+        return False
+    lock = path.with_name(path.name + ".claim")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = int(lock.read_text() or "0")
+                os.kill(holder, 0)
+                return False  # a live process runs it
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                lock.unlink(missing_ok=True)  # its holder died: take it over
+                continue
+            except PermissionError:
+                return False
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def release(path: str | Path) -> None:
+    """Drop this process's claim on ``path`` (after writing it, or on failure)."""
+    Path(path).with_name(Path(path).name + ".claim").unlink(missing_ok=True)
+
+
 class Entries:
     """Named results in one JSON file, ``{"entries": {name: result}, "platform": ...}``.
 

@@ -3,7 +3,8 @@
 Two parts, both resumable (one JSON per run in benchmarks/results/scale/, skipped when on disk):
 
 ``run``: real nano numerics in the simulator at 16, 32 and 64 workers (the budget of
-benchmarks/tune.py: batch 8 x 128, H = 20, 15 rounds, seed 2, evaluated every round), the daemon's
+benchmarks/tune.py: batch 8 x 128, H = 20, 15 rounds, seed 2 (data, init and grouping), evaluated every
+round, on the data sharding of ``--setup``: iid_15r by default, contiguous_15r for the earlier runs), the daemon's
 schedule (overlap) and deadlines live on the network, so a partner that misses its deadline is
 skipped and the numerics are that network's. Settings: each algorithm's best point of
 benchmarks/tune.py where its sweep is on disk, else its documented default (the JSON says which).
@@ -38,7 +39,9 @@ import tune  # benchmarks/tune.py: the budget and the sweep's results
 
 import _harness
 
-OUT = _harness.results_path("scale")
+SETUP = tune.DEFAULT_SETUP
+"""The tune.py setup whose sharding and tuned points are used (``--setup``); main() sets it and OUT."""
+OUT = _harness.results_path("scale") / SETUP
 SCALED_PARAMS = 125e6
 NET = dict(link_bps=80e6, latency_s=0.030, heterogeneity=1.0)
 SEED = 2
@@ -50,11 +53,11 @@ RUNS = {  # name -> (algo, extra spec changes)
 
 
 def setting(algo: str) -> tuple[dict[str, float], str]:
-    b = tune.best(algo)
-    if b is not None and len(tune.sweep_results(algo)) == 12:
-        return b["params"], "tuned (benchmarks/tune.py, complete sweep)"
+    b = tune.best(algo, setup=SETUP)
+    if b is not None and len(tune.sweep_results(algo, SETUP)) == 12:
+        return b["params"], f"tuned (benchmarks/tune.py {SETUP}, complete sweep)"
     if b is not None:
-        return b["params"], f"best of {len(tune.sweep_results(algo))}/12 sweep points so far"
+        return b["params"], f"best of {len(tune.sweep_results(algo, SETUP))}/12 {SETUP} sweep points so far"
     return tune.grid(algo)[0], "documented default (no sweep on disk)"
 
 
@@ -78,7 +81,7 @@ def run_one(name: str, workers: int, splits: Any, rounds: int) -> dict[str, Any]
 
     algo, net_changes = RUNS[name]
     kw, why = setting(algo)
-    spec = tune.base_spec(SEED).replace("outer", algo=algo, **kw).replace("train", steps=rounds * tune.H)
+    spec = tune.base_spec(SEED, SETUP).replace("outer", algo=algo, **kw).replace("train", steps=rounds * tune.H)
     params = build_model(spec.model).num_parameters()
     k = SCALED_PARAMS / params
     # Bytes x k is link / k; so the floor rate too. Timeouts in seconds stay.
@@ -123,7 +126,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     from locomm.data import load_corpus
 
     torch.set_num_threads(a.threads)
-    splits = load_corpus(tune.base_spec(SEED).data)
+    splits = load_corpus(tune.base_spec(SEED, SETUP).data)
     for workers in a.workers:
         for name in a.runs:
             path = OUT / f"w{workers}_{name}{'' if a.rounds == tune.ROUNDS else f'_r{a.rounds}'}.json"
@@ -209,7 +212,7 @@ def cmd_replay(a: argparse.Namespace) -> None:
     from locomm.sim.network import flops_step_s
 
     base = {n: tune.load(OUT / f"w64_{n}.json") for n in ("noloco", "diloco_sized_timeout")}
-    spec = tune.base_spec(SEED)
+    spec = tune.base_spec(SEED, SETUP)
     params = build_model(spec.model).num_parameters()
     k = SCALED_PARAMS / params
     step_s = flops_step_s(params, spec.data.batch_size * spec.data.seq_len, tune.TFLOPS)
@@ -305,8 +308,14 @@ def main() -> None:
     p = sub.add_parser("replay")
     p.add_argument("--workers", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--rounds", type=int, default=tune.ROUNDS)
-    sub.add_parser("table")
+    t = sub.add_parser("table")
+    for q in (r, p, t):
+        q.add_argument("--setup", default=tune.DEFAULT_SETUP, choices=["iid_15r", "contiguous_15r"])
     a = ap.parse_args()
+    global SETUP, OUT
+    SETUP = a.setup
+    # The contiguous runs came first and stay where they were written.
+    OUT = _harness.results_path("scale") / (SETUP if SETUP != "contiguous_15r" else "")
     {"run": cmd_run, "replay": cmd_replay, "table": cmd_table}[a.cmd](a)
 
 

@@ -2,8 +2,9 @@
 
 Budget, the same for every algorithm: 12 points over its outer hyperparameters, each point one
 simulated run of 8 workers on the nano model, batch 8 x 128 bytes, H = 20, 15 rounds (307k tokens
-per worker, the budget of benchmarks/algorithms.py), on the tuning seed (train.seed = 1), scored on
-the final validation loss (mean over workers, 8 batches). The daemon's schedule: overlap on, each
+per worker, the budget of benchmarks/algorithms.py) or 45 rounds (the cosine schedule over the whole
+longer run), on the tuning seed (data and init seed 1, grouping seed outer.seed 0), scored on the
+final validation loss (mean over workers, 8 batches). The daemon's schedule: overlap on, each
 exchange applied one round late. Grids:
 
     DiLoCo      lr {0.3, 0.5, 0.7, 1.0} x momentum {0, 0.5, 0.9}
@@ -11,24 +12,32 @@ exchange applied one round late. Grids:
     GASLoC      eta {0.5, 0.7, 1.0} x gamma {0, 0.3, 0.6, 0.9}         (a = 0.5, matching)
     SparseLoCo  lr {1, 3, 9} x density {0.02, 0.03} x EF decay {0.9, 0.95}   (paper's aggregation)
 
-(SparseLoCo has no momentum; its lr reaches 9 because DiLoCo's steady-state step eta / (1 - mu)
-reaches 10 on its grid, and the paper's mean over all R workers applies 1/5 to 1/8 of what the
-sender-mean applied at R = 8 (`tune.py norms`), which ran well at lr 1. A point that diverges is
-recorded as such and ranks last.)
+Variants, each tuned on its base algorithm's grid with the same budget:
 
-The best point of each algorithm then runs on seeds 2 and 3 (mean and spread over the three seeds,
-the tuning seed's run included as one of them only where stated). GASLoC is reported twice: its best
+    gasloc_y            GASLoC with its momentum on the unmixed y (the published formula)
+    sparseloco_senders  SparseLoCo with the public code's rule: per-index mean over the senders, each
+                        sender's update clipped to the median norm of the round's senders
+
+Setups (``--setup``): the data sharding and the length of the run.
+
+    iid_15r         every worker samples the whole training split (data.sharding = iid), 15 rounds
+    iid_45r         the same, 45 rounds
+    contiguous_15r  each worker its slice of the sorted stream (strongly non-IID), 15 rounds
+
+The best point of each algorithm then runs on seeds 2, 3 and 4, each seed varying everything random:
+data order and model init (train.seed) and the grouping (outer.seed) together. The tables report the
+mean and spread of those three, the tuning seed not among them. GASLoC is reported twice: its best
 gamma > 0 (the method) and its best gamma = 0 (plain gossip with local steps).
 
-Every run is one JSON file, written atomically: benchmarks/results/tune/<algo>/<point>.json for the
-sweep, .../confirm/seed<S>_<point>.json for the seeds. Whatever is on disk is skipped, so a sweep
-resumes where it stopped. Points run interleaved across algorithms (each algorithm's documented
-default first, the rest in a fixed shuffled order), so a partial sweep has sampled every algorithm
-equally.
+Every run is one JSON file, written atomically: benchmarks/results/tune/<setup>/<algo>/<point>.json for
+the sweep, .../seeds/seed<S>_<point>.json for the seeds. Whatever is on disk is skipped, so a sweep
+resumes where it stopped; several processes may share one sweep (each run is claimed first). Points run
+interleaved across algorithms (each algorithm's documented default first, the rest in a fixed shuffled
+order), so a partial sweep has sampled every algorithm equally.
 
-    nice -n 19 python benchmarks/tune.py run              # sweep, then confirm what is complete
-    python benchmarks/tune.py table                        # the README table from what is on disk
-    nice -n 19 python benchmarks/tune.py aggregation       # SparseLoCo: 'all' vs 'senders', 8 and 16 workers
+    nice -n 19 python benchmarks/tune.py run --setup iid_15r     # sweep, then seeds of what is complete
+    python benchmarks/tune.py table --setup iid_15r               # the README table from what is on disk
+    nice -n 19 python benchmarks/tune.py aggregation              # SparseLoCo: both rules, 8 and 16 workers
 """
 
 from __future__ import annotations
@@ -44,21 +53,29 @@ from typing import Any
 
 import _harness
 
-OUT = _harness.results_path("tune")
+ROOT = _harness.results_path("tune")
 WORKERS = 8
 ROUNDS = 15
 H = 20
 TUNE_SEED = 1
-CONFIRM_SEEDS = (2, 3)
+CONFIRM_SEEDS = (2, 3, 4)
+SETUPS = {"iid_15r": ("iid", 15), "iid_45r": ("iid", 45), "contiguous_15r": ("contiguous", 15)}
+DEFAULT_SETUP = "iid_15r"
 NETWORKS = {
     "80mbit_het": dict(link_bps=80e6, latency_s=0.030, heterogeneity=1.0),
     "10gbit": dict(link_bps=10e9, latency_s=0.001, heterogeneity=0.0),
 }
 TFLOPS = 10.0
+VARIANTS = {  # name -> (outer algorithm, fixed changes); tuned on the algorithm's grid
+    "gasloc_y": ("gasloc", {"gasloc_momentum_on": "unmixed"}),
+    "sparseloco_senders": ("sparseloco", {"sparseloco_aggregation": "senders", "sparseloco_clip": "median"}),
+}
 
 
 def grid(algo: str) -> list[dict[str, float]]:
     """The algorithm's 12 points, its documented default first, the rest in a fixed shuffled order."""
+    if algo in VARIANTS:
+        return grid(VARIANTS[algo][0])
     if algo == "diloco":
         pts, default = (
             [dict(lr=a, momentum=m) for a, m in itertools.product((0.3, 0.5, 0.7, 1.0), (0.0, 0.5, 0.9))],
@@ -89,42 +106,65 @@ def grid(algo: str) -> list[dict[str, float]]:
 
 
 ALGOS = ("diloco", "noloco", "gasloc", "sparseloco")
+ALL = (*ALGOS, *VARIANTS)
 
 
 def point_name(kw: dict[str, Any]) -> str:
     return "_".join(f"{k}{v:g}" if isinstance(v, (int, float)) else f"{k}-{v}" for k, v in kw.items())
 
 
-def base_spec(seed: int) -> Any:
+def base_spec(seed: int, setup: str = DEFAULT_SETUP, rounds: int | None = None) -> Any:
+    """The budget's spec at ``seed``: the tuning seed keeps grouping seed 0, every other seed varies it too."""
     from locomm.config import RunSpec
 
+    sharding, setup_rounds = SETUPS[setup]
+    rounds = setup_rounds if rounds is None else rounds
     return (
         RunSpec.preset("nano")
-        .replace("data", batch_size=8, seq_len=128)
-        .replace("outer", inner_steps=H)
-        .replace("train", steps=ROUNDS * H, seed=seed, eval_batches=8)
+        .replace("data", batch_size=8, seq_len=128, sharding=sharding)
+        .replace("outer", inner_steps=H, seed=0 if seed == TUNE_SEED else seed)
+        .replace("train", steps=rounds * H, seed=seed, eval_batches=8)
     )
 
 
 def run_point(
-    algo: str, kw: dict[str, Any], seed: int, splits: Any, *, workers: int = WORKERS, eval_every: int = ROUNDS
+    algo: str,
+    kw: dict[str, Any],
+    seed: int,
+    splits: Any,
+    *,
+    setup: str = DEFAULT_SETUP,
+    workers: int = WORKERS,
+    eval_every: int | None = None,
+    spec: Any = None,
+    overlap: bool = True,
 ) -> dict[str, Any]:
     from locomm.sim import Simulator, network_for
     from locomm.sim.network import flops_step_s
 
-    spec = base_spec(seed).replace("outer", algo=algo, **kw)
+    outer_algo, fixed = VARIANTS.get(algo, (algo, {}))
+    if spec is None:
+        spec = base_spec(seed, setup).replace("outer", algo=outer_algo, **fixed, **kw)
+    rounds = spec.train.steps // spec.outer.inner_steps
     t0 = time.perf_counter()
-    sim = Simulator(spec, workers, splits=splits, eval_every=eval_every)
+    sim = Simulator(spec, workers, splits=splits, eval_every=eval_every or rounds, overlap=overlap)
+    common = {
+        "algo": algo,
+        "params": kw,
+        "fixed": fixed,
+        "setup": setup,
+        "sharding": spec.data.sharding,
+        "seed": seed,
+        "outer_seed": spec.outer.seed,
+        "workers": workers,
+        "rounds": rounds,
+        "inner_steps": spec.outer.inner_steps,
+    }
     try:
-        res = sim.run(ROUNDS)
+        res = sim.run(rounds)
     except FloatingPointError as e:  # a diverged point is a result: the worst score
         return {
-            "algo": algo,
-            "params": kw,
-            "seed": seed,
-            "workers": workers,
-            "rounds": ROUNDS,
-            "inner_steps": H,
+            **common,
             "diverged": str(e),
             "final_val_loss": math.inf,
             "bytes_sent_per_worker": math.nan,
@@ -134,13 +174,8 @@ def run_point(
     params = sim.trainers[0].model.num_parameters()
     step_s = flops_step_s(params, sim.trainers[0].tokens_per_step, TFLOPS)
     out: dict[str, Any] = {
-        "algo": algo,
-        "params": kw,
-        "seed": seed,
-        "workers": workers,
-        "rounds": ROUNDS,
-        "inner_steps": H,
-        "tokens_per_worker": ROUNDS * H * spec.data.batch_size * spec.data.seq_len,
+        **common,
+        "tokens_per_worker": spec.train.steps * spec.data.batch_size * spec.data.seq_len,
         "overlap": res.overlap,
         "final_val_loss": res.final_val_loss,
         "final_val_spread": res.val_spread[-1],
@@ -163,12 +198,12 @@ def run_point(
     return out
 
 
-def sweep_path(algo: str, kw: dict[str, float]) -> Path:
-    return OUT / algo / f"{point_name(kw)}.json"
+def sweep_path(algo: str, kw: dict[str, float], setup: str = DEFAULT_SETUP) -> Path:
+    return ROOT / setup / algo / f"{point_name(kw)}.json"
 
 
-def confirm_path(algo: str, kw: dict[str, float], seed: int) -> Path:
-    return OUT / algo / "confirm" / f"seed{seed}_{point_name(kw)}.json"
+def confirm_path(algo: str, kw: dict[str, float], seed: int, setup: str = DEFAULT_SETUP) -> Path:
+    return ROOT / setup / algo / "seeds" / f"seed{seed}_{point_name(kw)}.json"
 
 
 def load(path: Path) -> dict[str, Any] | None:
@@ -178,15 +213,15 @@ def load(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def sweep_results(algo: str) -> list[dict[str, Any]]:
-    rows = [r for kw in grid(algo) if (r := load(sweep_path(algo, kw))) is not None]
+def sweep_results(algo: str, setup: str = DEFAULT_SETUP) -> list[dict[str, Any]]:
+    rows = [r for kw in grid(algo) if (r := load(sweep_path(algo, kw, setup))) is not None]
     for r in rows:  # points run by `aggregation` name the default rule ('all') explicitly
         r["params"] = {k: v for k, v in r["params"].items() if k != "sparseloco_aggregation"}
     return rows
 
 
-def best(algo: str, where: Any = None) -> dict[str, Any] | None:
-    rows = [r for r in sweep_results(algo) if where is None or where(r["params"])]
+def best(algo: str, where: Any = None, setup: str = DEFAULT_SETUP) -> dict[str, Any] | None:
+    rows = [r for r in sweep_results(algo, setup) if where is None or where(r["params"])]
     return min(rows, key=lambda r: r["final_val_loss"]) if rows else None
 
 
@@ -195,8 +230,22 @@ ENTRIES = {  # row of the table -> (algorithm, which of its sweep points may be 
     "NoLoCo": ("noloco", None),
     "GASLoC (gamma > 0)": ("gasloc", lambda p: p["gasloc_gamma"] > 0),
     "plain gossip (GASLoC gamma = 0)": ("gasloc", lambda p: p["gasloc_gamma"] == 0),
-    "SparseLoCo": ("sparseloco", None),
+    "GASLoC, momentum on y (gamma > 0)": ("gasloc_y", lambda p: p["gasloc_gamma"] > 0),
+    "SparseLoCo (paper's rule)": ("sparseloco", None),
+    "SparseLoCo (public code's rule)": ("sparseloco_senders", None),
 }
+
+
+def _run(path: Path, fn: Any, label: str) -> None:
+    """Run ``fn`` into ``path`` unless it is on disk or another process holds it."""
+    if not _harness.claim(path):
+        return
+    try:
+        r = fn()
+        _harness.write_json(path, r)
+    finally:
+        _harness.release(path)
+    print(f"{label} val {r['final_val_loss']:.4f} ({r['real_s']:.0f} s)", flush=True)
 
 
 def cmd_run(a: argparse.Namespace) -> None:
@@ -205,43 +254,39 @@ def cmd_run(a: argparse.Namespace) -> None:
     from locomm.data import load_corpus
 
     torch.set_num_threads(a.threads)
-    splits = load_corpus(base_spec(TUNE_SEED).data)
+    splits = load_corpus(base_spec(TUNE_SEED, a.setup).data)
     todo = [(algo, kw) for i in range(12) for algo in a.algos for kw in [grid(algo)[i]]]
     for algo, kw in todo:
-        path = sweep_path(algo, kw)
-        if _harness.done(path):
-            continue
-        r = run_point(algo, kw, TUNE_SEED, splits)
-        _harness.write_json(path, r)
-        print(f"sweep {algo:10s} {point_name(kw):45s} val {r['final_val_loss']:.4f} ({r['real_s']:.0f} s)", flush=True)
+        _run(
+            sweep_path(algo, kw, a.setup),
+            lambda algo=algo, kw=kw: run_point(algo, kw, TUNE_SEED, splits, setup=a.setup),
+            f"{a.setup} sweep {algo:18s} {point_name(kw):45s}",
+        )
+    if a.no_seeds:
+        return
     for entry, (algo, where) in ENTRIES.items():
-        if algo not in a.algos:
-            continue
-        b = best(algo, where)
-        if b is None or len(sweep_results(algo)) < 12:
+        b = best(algo, where, a.setup)
+        if algo not in a.algos or b is None or len(sweep_results(algo, a.setup)) < 12:
             continue
         for seed in CONFIRM_SEEDS:
-            path = confirm_path(algo, b["params"], seed)
-            if _harness.done(path):
-                continue
-            r = run_point(algo, b["params"], seed, splits, eval_every=5)
-            _harness.write_json(path, r)
-            print(
-                f"confirm {entry:32s} seed {seed} {point_name(b['params'])} val {r['final_val_loss']:.4f} "
-                f"({r['real_s']:.0f} s)",
-                flush=True,
+            _run(
+                confirm_path(algo, b["params"], seed, a.setup),
+                lambda algo=algo, b=b, seed=seed: run_point(
+                    algo, b["params"], seed, splits, setup=a.setup, eval_every=5
+                ),
+                f"{a.setup} seed {seed} {entry:34s} {point_name(b['params'])}",
             )
 
 
-def table_rows() -> list[dict[str, Any]]:
+def table_rows(setup: str = DEFAULT_SETUP) -> list[dict[str, Any]]:
     rows = []
     for entry, (algo, where) in ENTRIES.items():
-        swept = sweep_results(algo)
-        b = best(algo, where)
+        swept = sweep_results(algo, setup)
+        b = best(algo, where, setup)
         if b is None:
             rows.append({"entry": entry, "algo": algo, "points_run": len(swept)})
             continue
-        seeds = [load(confirm_path(algo, b["params"], s)) for s in CONFIRM_SEEDS]
+        seeds = [load(confirm_path(algo, b["params"], s, setup)) for s in CONFIRM_SEEDS]
         seeds = [s for s in seeds if s is not None]
         others = [s["final_val_loss"] for s in seeds]
         rows.append(
@@ -254,6 +299,7 @@ def table_rows() -> list[dict[str, Any]]:
                 "confirm_seeds": [s["seed"] for s in seeds],
                 "confirm_val_loss": others,
                 "confirm_mean": statistics.fmean(others) if others else None,
+                "confirm_std": statistics.stdev(others) if len(others) > 1 else None,
                 "confirm_spread": (max(others) - min(others)) if len(others) > 1 else None,
                 "bytes_sent_per_worker": b["bytes_sent_per_worker"],
                 "util_80mbit_het": b["timelines"]["80mbit_het/nano"]["compute_utilisation_mean"],
@@ -263,28 +309,41 @@ def table_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def _pct(x: float, ref: float) -> str:
+    return f"{100 * (x / ref - 1):+.1f}%"
+
+
 def cmd_table(a: argparse.Namespace) -> None:
-    rows = table_rows()
+    rows = table_rows(a.setup)
     ref = next((r for r in rows if r["entry"] == "DiLoCo" and "best" in r), None)
+    print(f"setup {a.setup}: sharding {SETUPS[a.setup][0]}, {SETUPS[a.setup][1]} rounds of H = {H}, {WORKERS} workers")
     print(
-        "| algorithm | points run | best setting (seed 1) | val, seed 1 | val, seeds 2-3 (mean ± half-range) | "
-        "vs DiLoCo (seeds 2-3) | at the default | MB sent/worker | compute util. 80M het |"
+        "| algorithm | points run | best setting (seed 1) | val, seed 1 | val, seeds 2-4: mean ± std [min, max] | "
+        "vs DiLoCo: means [per-seed range] | at the default | MB sent/worker | compute util. 80M het |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "best" not in r:
             print(f"| {r['entry']} | {r['points_run']}/12 | - | - | - | - | - | - | - |")
             continue
-        conf = (
-            f"{r['confirm_mean']:.4f} ± {r['confirm_spread'] / 2:.4f}"
-            if r["confirm_spread"] is not None
-            else (f"{r['confirm_val_loss'][0]:.4f} (1 seed)" if r["confirm_val_loss"] else "not run")
-        )
+        v = r["confirm_val_loss"]
+        if len(v) > 1:
+            conf = f"{r['confirm_mean']:.4f} ± {r['confirm_std']:.4f} [{min(v):.4f}, {max(v):.4f}] ({len(v)} seeds)"
+        else:
+            conf = f"{v[0]:.4f} (1 seed)" if v else "not run"
         rel = "-"
         if ref is not None and r["confirm_mean"] is not None and ref.get("confirm_mean"):
-            rel = f"{100 * (r['confirm_mean'] / ref['confirm_mean'] - 1):+.1f}%"
+            paired = [
+                100 * (x / y - 1)
+                for s, x in zip(r["confirm_seeds"], v)
+                for t, y in zip(ref["confirm_seeds"], ref["confirm_val_loss"])
+                if s == t
+            ]
+            rel = _pct(r["confirm_mean"], ref["confirm_mean"])
+            if paired and r is not ref:
+                rel += f" [{min(paired):+.1f}%, {max(paired):+.1f}%]"
         elif ref is not None:
-            rel = f"{100 * (r['tune_val_loss'] / ref['tune_val_loss'] - 1):+.1f}% (seed 1)"
+            rel = f"{_pct(r['tune_val_loss'], ref['tune_val_loss'])} (seed 1)"
         setting = ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in r["best"].items())
         dflt = f"{r['default_val_loss']:.4f}" if r["default_val_loss"] is not None else "-"
         print(
@@ -292,49 +351,61 @@ def cmd_table(a: argparse.Namespace) -> None:
             f"{dflt} | {r['bytes_sent_per_worker'] / 1e6:.2f} | {100 * r['util_80mbit_het']:.0f}% |"
         )
     if a.json:
-        _harness.write_json(OUT / "table.json", rows)
+        _harness.write_json(ROOT / a.setup / "table.json", rows)
 
 
-def aggregation_path(workers: int, algo: str, kw: dict[str, Any]) -> Path:
-    """The 8-worker runs of the tuning seed are sweep points already; others live in aggregation/."""
-    if workers == WORKERS and kw.get("sparseloco_aggregation", "all") == "all":
-        return sweep_path(algo, {k: v for k, v in kw.items() if k != "sparseloco_aggregation"})
-    return OUT / "aggregation" / f"w{workers}_{algo}_{point_name(kw)}.json"
+AGGREGATION = ("diloco", "sparseloco", "sparseloco_senders")
 
 
 def cmd_aggregation(a: argparse.Namespace) -> None:
-    """SparseLoCo under both aggregation rules at 8 and 16 workers (its default point, the tuning seed),
-    beside DiLoCo's documented default on the same runs; then, once both sweeps are complete, the tuned
-    best of DiLoCo and of SparseLoCo (paper's rule) at each worker count."""
+    """Best against best past 8 workers: the tuned point of DiLoCo and of SparseLoCo under each rule (complete
+    8-worker sweeps of the setup) at each worker count, on seeds 2-4 (8 workers: the sweep's own seed runs)."""
     import torch
 
     from locomm.data import load_corpus
 
     torch.set_num_threads(a.threads)
-    splits = load_corpus(base_spec(TUNE_SEED).data)
-    runs = []
+    splits = load_corpus(base_spec(TUNE_SEED, a.setup).data)
+    table = []
     for workers in a.workers:
-        for rule in ("all", "senders"):
-            runs.append((workers, "sparseloco", dict(grid("sparseloco")[0], sparseloco_aggregation=rule)))
-        runs.append((workers, "diloco", grid("diloco")[0]))
-        # The paper's rule at a step near the sender rule's at R = 8 (norms: 5-8x the all-mean's).
-        runs.append((workers, "sparseloco", dict(grid("sparseloco")[0], sparse_lr=9.0, sparseloco_aggregation="all")))
-        # Best against best: each algorithm's tuned point (complete 8-worker sweep) at this worker count.
-        for algo in ("diloco", "sparseloco"):
-            b = best(algo)
-            if b is not None and len(sweep_results(algo)) == 12:
-                kw = dict(b["params"], **({"sparseloco_aggregation": "all"} if algo == "sparseloco" else {}))
-                runs.append((workers, algo, kw))
-    for workers, algo, kw in runs:
-        path = aggregation_path(workers, algo, kw)
-        if not _harness.done(path):
-            _harness.write_json(path, run_point(algo, kw, TUNE_SEED, splits, workers=workers))
-        r = load(path)
+        for algo in AGGREGATION:
+            b = best(algo, setup=a.setup)
+            if b is None or len(sweep_results(algo, a.setup)) < 12:
+                print(f"{algo}: sweep of {a.setup} incomplete, skipped")
+                continue
+            vals, mb = [], math.nan
+            for seed in CONFIRM_SEEDS:
+                path = confirm_path(algo, b["params"], seed, a.setup)
+                if workers != WORKERS:
+                    name = f"w{workers}_{algo}_seed{seed}_{point_name(b['params'])}.json"
+                    path = ROOT / a.setup / "aggregation" / name
+                _run(
+                    path,
+                    lambda algo=algo, b=b, seed=seed, w=workers: run_point(
+                        algo, b["params"], seed, splits, setup=a.setup, workers=w
+                    ),
+                    f"{a.setup} x{workers} seed {seed} {algo} {point_name(b['params'])}",
+                )
+                if (r := load(path)) is not None:
+                    vals.append(r["final_val_loss"])
+                    mb = r["bytes_sent_per_worker"] / 1e6
+            table.append({"workers": workers, "algo": algo, "params": b["params"], "val": vals, "mb_per_worker": mb})
+    ref = {t["workers"]: t for t in table if t["algo"] == "diloco"}
+    print("| workers | algorithm | tuned point | val, seeds 2-4 mean ± std | vs DiLoCo | MB sent/worker | fewer bytes")
+    print("|---|---|---|---|---|---|---")
+    for t in table:
+        v, d = t["val"], ref.get(t["workers"])
+        if not v:
+            continue
+        m = statistics.fmean(v)
+        sd = statistics.stdev(v) if len(v) > 1 else math.nan
+        rel = _pct(m, statistics.fmean(d["val"])) if d and d["val"] else "-"
+        fewer = f"{d['mb_per_worker'] / t['mb_per_worker']:.0f}x" if d and t["mb_per_worker"] > 0 else "-"
         print(
-            f"{algo:10s} {point_name(kw):70s} x{workers:<3d} val {r['final_val_loss']:.4f}  "
-            f"{r['bytes_sent_per_worker'] / 1e6:.3f} MB/worker",
-            flush=True,
+            f"| {t['workers']} | {t['algo']} | {point_name(t['params'])} | {m:.4f} ± {sd:.4f} ({len(v)}) | {rel} | "
+            f"{t['mb_per_worker']:.3f} | {fewer} |"
         )
+    _harness.write_json(ROOT / a.setup / "aggregation" / "table.json", table)
 
 
 def cmd_norms(a: argparse.Namespace) -> None:
@@ -375,20 +446,23 @@ def cmd_norms(a: argparse.Namespace) -> None:
                 f"|all| / |dense| {r['all_over_dense']:.3f}, senders / all {r['senders_over_all']:.2f}, "
                 f"indices sent by one worker {100 * r['indices_sent_by_one']:.0f}%"
             )
-    _harness.write_json(OUT / "aggregation" / "norms.json", rows)
+    _harness.write_json(ROOT / "norms.json", rows)
 
 
 def main() -> None:
     ap = _harness.parser(__doc__, out=False, summary=True)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
-    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--algos", nargs="+", default=list(ALL), choices=ALL)
+    r.add_argument("--no-seeds", action="store_true", help="Only the sweep, not the seeds 2-4 of its best points")
     t = sub.add_parser("table")
-    t.add_argument("--json", action="store_true", help="Also write benchmarks/results/tune/table.json")
+    t.add_argument("--json", action="store_true", help="Also write benchmarks/results/tune/<setup>/table.json")
     g = sub.add_parser("aggregation")
-    g.add_argument("--threads", type=int, default=1)
     g.add_argument("--workers", type=int, nargs="+", default=[8, 16])
+    for p in (r, t, g):
+        p.add_argument("--setup", default=DEFAULT_SETUP, choices=list(SETUPS))
+    for p in (r, g):
+        p.add_argument("--threads", type=int, default=1)
     sub.add_parser("norms")
     a = ap.parse_args()
     {"run": cmd_run, "table": cmd_table, "aggregation": cmd_aggregation, "norms": cmd_norms}[a.cmd](a)

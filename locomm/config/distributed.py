@@ -6,6 +6,7 @@ Each a frozen, keyword-only dataclass with a docstring per field, validated at c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from locomm.config.base import check, choice, fraction, positive
@@ -32,7 +33,9 @@ class OuterConfig:
     lr: float = 0.7
     """Outer learning rate (DiLoCo eta, NoLoCo alpha, GASLoC eta, SparseLoCo alpha)."""
     momentum: float = 0.9
-    """DiLoCo Nesterov momentum mu."""
+    """DiLoCo outer momentum mu."""
+    nesterov: bool = True
+    """DiLoCo's outer SGD: Nesterov momentum (DiLoCo's paper) or heavy-ball (false; NoLoCo's DiLoCo baseline)."""
     noloco_beta: float = 0.5
     """NoLoCo momentum beta."""
     noloco_gamma: float | None = None
@@ -63,6 +66,9 @@ class OuterConfig:
     sparseloco_aggregation: str = "all"
     """SparseLoCo's mean of the workers' sparse updates: 'all' (the paper's: over every worker of the exchange,
     an index a worker did not send counting as 0) or 'senders' (each index over the workers that sent it)."""
+    sparseloco_clip: str = "none"
+    """'median': before the mean, each sender's update to a tensor is scaled down to the median norm of the
+    round's senders for that tensor (the public code's robustness step); 'none' (the paper's box)."""
     seed: int = 0
     """Seed of the per-round group permutations (the same on every worker)."""
 
@@ -71,6 +77,7 @@ class OuterConfig:
         choice(self, "topology", GASLOC_TOPOLOGIES)
         choice(self, "gasloc_momentum_on", ("mixed", "unmixed"))
         choice(self, "sparseloco_aggregation", ("all", "senders"))
+        choice(self, "sparseloco_clip", ("none", "median"))
         check(self.inner_steps >= 1, "inner_steps", f"H must be >= 1, got {self.inner_steps}")
         check(
             0 <= self.apply_delay_steps <= self.inner_steps,
@@ -115,6 +122,9 @@ class CompressionConfig:
 # ------------------------------------------------------------------------ pipeline
 
 
+SUBSPACE_FORMS = ("project", "reparam")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     """Pipeline mode (docs/algorithms.md §7): the model split into stages served by different peers."""
@@ -135,6 +145,18 @@ class PipelineConfig:
     Only blocks before the last boundary must write into span(U) for the boundary map to be exact, so every
     value keeps it exact. node0 leaves 2; on tiny at 32x, 2 stages, 311 steps, freeing the whole last stage
     (4 blocks) ends at 1.914 against 1.970 (benchmarks/pipeline.py, tiny32_free vs tiny32)."""
+    fixed_embed_std: float = 0.02
+    """Standard deviation of the fixed random token embedding E_f that stage 0 adds and the receiver of z
+    rebuilds (with ``subspace``). Part of the shared geometry: every stage and the boundary codec derive E_f
+    from (seed, std), and a payload made with another std is refused. Pluralis' ProtocolNanoGPT draws it at 1.0."""
+    branch_norm: bool = False
+    """node0's block form: a non-trainable RMSNorm on each attention and MLP branch output before it is added
+    to the residual stream (``h + rmsnorm(f(norm(h)))``). Without a gain it only rescales each token's write,
+    so a write in span(U) stays there."""
+    subspace_form: str = "project"
+    """How the writes into the residual stream (W_o, W_2, E_learn) are kept in span(U): 'project' (onto span(U)
+    after every optimizer step; the optimizer sees the full gradient) or 'reparam' (W = U U^T W': the gradient
+    reaching the optimizer is projected too, so its state never holds the part the projection discards)."""
     stage_timeout_s: float = 60.0
     """How long a stage waits for the rest of the pipeline to answer one micro-batch (forward and backward)."""
     reroute_attempts: int = 3
@@ -142,7 +164,10 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
-        positive(self, "stages", "micro_batch_size", "in_flight", "stage_timeout_s")
+        positive(self, "stages", "micro_batch_size", "in_flight", "stage_timeout_s", "fixed_embed_std")
+        check(math.isfinite(self.fixed_embed_std), "fixed_embed_std", f"must be finite, got {self.fixed_embed_std}")
+        choice(self, "subspace_form", SUBSPACE_FORMS)
+        check(isinstance(self.branch_norm, bool), "branch_norm", f"must be true or false, got {self.branch_norm!r}")
         check(self.reroute_attempts >= 0, "reroute_attempts", f"must be >= 0, got {self.reroute_attempts}")
         check(
             self.free_tail_layers >= -1,

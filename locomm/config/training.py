@@ -106,10 +106,15 @@ class DataConfig:
     """Share of files (by hash of their path) held out for validation, in percent."""
     max_corpus_mb: float = 64.0
     """Read at most this many MB of text (files in sorted order), to bound memory and start-up."""
+    sharding: str = "iid"
+    """What each worker draws its windows from: 'iid' (the whole training split, its own generator: a swarm
+    sampling one dataset), 'files' (the documents whose path hashes to its shard: a dataset sharded by file)
+    or 'contiguous' (its slice of the sorted stream: non-IID, for heterogeneity studies)."""
 
     def __post_init__(self) -> None:
         check(bool(self.corpus), "corpus", "must not be empty")
         choice(self, "bin_dtype", ("uint16", "uint32"))
+        choice(self, "sharding", ("iid", "files", "contiguous"))
         positive(self, "seq_len", "batch_size", "max_corpus_mb")
         check(0 < self.val_percent < 100, "val_percent", f"must be in (0, 100), got {self.val_percent}")
 

@@ -7,9 +7,15 @@ Notable:
   every machine with the same Python version.
 - The validation split is chosen per file by a hash of its relative path, so it
   never moves when files are added elsewhere, and no file is in both splits.
-- A worker's batches come from its own contiguous shard of the training stream,
-  drawn by a generator seeded from (seed, worker id): workers see disjoint data
-  and runs are reproducible. Many simulated workers share one token array.
+- ``data.sharding`` says what a worker draws from. ``iid`` (default): windows
+  from the whole training split, as a swarm pretraining on one dataset samples
+  it (and as NoLoCo's and DiLoCo's experiments shard C4). ``files``: the
+  documents whose path hashes to the worker's shard, as a dataset sharded by
+  file. ``contiguous``: the worker's slice of the sorted stream (strongly
+  non-IID on the stdlib corpus: one slice is mostly ``encodings/cp*.py``), for
+  non-IID studies. In every mode the generator is seeded from (seed, the
+  worker's stream key): a peer's key comes from its full peer id, so no two
+  peers draw the same stream. Many simulated workers share one token array.
 """
 
 from __future__ import annotations
@@ -74,6 +80,11 @@ class TokenSplits:
     train: np.ndarray  # (N,) uint16/uint32 token ids
     val: np.ndarray
     description: str
+    train_docs: np.ndarray | None = None
+    """(D + 1,) int64 start offsets of the training split's documents (the last is its length); None: one
+    stream with no document boundaries (a .bin memmap), which ``files`` sharding cuts into blocks."""
+    train_doc_keys: np.ndarray | None = None
+    """(D,) uint64 hash of each training document's name (path relative to the corpus root, or row index)."""
 
     def unigram_nats(self) -> float:
         """Entropy (nats/token) of the validation split's unigram distribution."""
@@ -103,6 +114,7 @@ def _stdlib_files(root: Path) -> list[Path]:
 def _read_files(files: list[Path], root: Path, cfg: DataConfig, strict: bool) -> TokenSplits:
     budget = int(cfg.max_corpus_mb * 1e6)
     train_parts: list[bytes] = []
+    train_names: list[str] = []
     val_parts: list[bytes] = []
     total = 0
     for f in files:
@@ -122,7 +134,11 @@ def _read_files(files: list[Path], root: Path, cfg: DataConfig, strict: bool) ->
         if not data.strip():
             continue
         rel = f.relative_to(root).as_posix() if f != root else f.name
-        (val_parts if _is_val(rel, cfg.val_percent) else train_parts).append(data)
+        if _is_val(rel, cfg.val_percent):
+            val_parts.append(data)
+        else:
+            train_parts.append(data)
+            train_names.append(rel)
         total += len(data)
         if total >= budget:
             break
@@ -134,22 +150,39 @@ def _read_files(files: list[Path], root: Path, cfg: DataConfig, strict: bool) ->
         cut = int(len(blob) * (1 - cfg.val_percent / 100))
         if cut < cfg.seq_len + 1 or len(blob) - cut < cfg.seq_len + 1:
             raise CorpusError(f"corpus at {root} is too small ({len(blob)} bytes) for seq_len={cfg.seq_len}")
-        train_parts, val_parts = [blob[:cut]], [blob[cut:]]
+        train_parts, val_parts, train_names = [blob[:cut]], [blob[cut:]], [root.name]
+    return _splits(train_parts, train_names, val_parts, f"{root} ({total / 1e6:.1f} MB text)")
+
+
+def _splits(train_parts: list[bytes], train_names: list[str], val_parts: list[bytes], description: str) -> TokenSplits:
+    train, docs = _join(train_parts)
     return TokenSplits(
-        train=_join(train_parts), val=_join(val_parts), description=f"{root} ({total / 1e6:.1f} MB text)"
+        train=train,
+        val=_join(val_parts)[0],
+        description=description,
+        train_docs=docs,
+        train_doc_keys=np.array([_name_hash(n) for n in train_names], dtype=np.uint64),
     )
 
 
-def _join(parts: list[bytes]) -> np.ndarray:
-    """Concatenate documents as bytes, each followed by EOS, into one uint16 stream."""
+def _name_hash(name: str) -> int:
+    """A document's shard key; salted apart from the validation split's hash, so shards are independent of it."""
+    return int.from_bytes(hashlib.sha256(b"locomm-shard\0" + name.encode()).digest()[:8], "little")
+
+
+def _join(parts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate documents as bytes, each followed by EOS, into one uint16 stream; and their start offsets."""
     n = sum(len(p) + 1 for p in parts)
     out = np.empty(n, dtype=np.uint16)
+    starts = np.empty(len(parts) + 1, dtype=np.int64)
     i = 0
-    for p in parts:
+    for j, p in enumerate(parts):
+        starts[j] = i
         out[i : i + len(p)] = np.frombuffer(p, dtype=np.uint8)
         out[i + len(p)] = EOS
         i += len(p) + 1
-    return out
+    starts[-1] = i
+    return out, starts
 
 
 def _load_bin(path: Path, cfg: DataConfig) -> TokenSplits:
@@ -191,17 +224,22 @@ def _load_hf(spec: str, cfg: DataConfig) -> TokenSplits:
     col = "text" if "text" in ds.column_names else ds.column_names[0]
     budget = int(cfg.max_corpus_mb * 1e6)
     train_parts: list[bytes] = []
+    train_names: list[str] = []
     val_parts: list[bytes] = []
     total = 0
     for i, row in enumerate(ds):
         data = str(row[col]).encode("utf-8")
-        (val_parts if _is_val(f"{i}", cfg.val_percent) else train_parts).append(data)
+        if _is_val(f"{i}", cfg.val_percent):
+            val_parts.append(data)
+        else:
+            train_parts.append(data)
+            train_names.append(f"{i}")
         total += len(data)
         if total >= budget:
             break
     if not train_parts or not val_parts:
         raise CorpusError(f"Hugging Face dataset {spec!r} gave too little text")
-    return TokenSplits(train=_join(train_parts), val=_join(val_parts), description=f"hf:{spec}")
+    return _splits(train_parts, train_names, val_parts, f"hf:{spec}")
 
 
 def load_corpus(cfg: DataConfig) -> TokenSplits:
@@ -229,29 +267,62 @@ def load_corpus(cfg: DataConfig) -> TokenSplits:
     return _read_files(files, path, cfg, strict=False)
 
 
-class BatchSampler:
-    """Random (B, T+1) windows from one worker's shard of a token stream.
+FILE_BLOCK = 1 << 16
+"""Tokens per block when ``files`` sharding meets a stream with no document boundaries (a .bin memmap)."""
+SHARDINGS = ("iid", "files", "contiguous")
 
-    Worker ``worker_id`` of ``num_workers`` owns the contiguous slice
-    ``[id * N / W, (id + 1) * N / W)`` of the stream and draws window offsets with
-    a generator seeded from (seed, worker_id).
+
+def shard_of(splits: TokenSplits, sharding: str, worker_id: int, num_workers: int) -> np.ndarray:
+    """The tokens worker ``worker_id`` of ``num_workers`` draws its windows from (a view unless ``files``)."""
+    tokens = splits.train
+    n = len(tokens)
+    if sharding == "iid" or num_workers == 1:
+        return tokens
+    if sharding == "contiguous":
+        return tokens[worker_id * n // num_workers : (worker_id + 1) * n // num_workers]
+    if sharding != "files":
+        raise ValueError(f"data.sharding: {sharding!r} is not one of {SHARDINGS}")
+    if splits.train_docs is not None and splits.train_doc_keys is not None:
+        starts, keys = splits.train_docs, splits.train_doc_keys
+    else:  # no documents: blocks of FILE_BLOCK tokens, keyed by their index
+        starts = np.append(np.arange(0, n, FILE_BLOCK, dtype=np.int64), n)
+        keys = np.array([_name_hash(f"block{i}") for i in range(len(starts) - 1)], dtype=np.uint64)
+    mine = np.flatnonzero(keys % np.uint64(num_workers) == np.uint64(worker_id))
+    if len(mine) == 0:
+        return tokens[:0]
+    return np.concatenate([tokens[starts[i] : starts[i + 1]] for i in mine])
+
+
+class BatchSampler:
+    """Random (B, T+1) windows from one worker's shard of the training split (``data.sharding``).
+
+    ``stream`` keys the generator with ``seed``: the worker id in a simulation, a number drawn from the
+    peer id in a swarm, so peers that share a shard index still draw different windows.
     """
 
     def __init__(
-        self, tokens: np.ndarray, cfg: DataConfig, seed: int, worker_id: int = 0, num_workers: int = 1
+        self,
+        splits: TokenSplits,
+        cfg: DataConfig,
+        seed: int,
+        worker_id: int = 0,
+        num_workers: int = 1,
+        *,
+        stream: int | None = None,
     ) -> None:
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id {worker_id} is not in [0, {num_workers})")
-        n = len(tokens)
-        lo, hi = worker_id * n // num_workers, (worker_id + 1) * n // num_workers
-        if hi - lo < cfg.seq_len + 2:
+        self.shard = shard_of(splits, cfg.sharding, worker_id, num_workers)
+        if len(self.shard) < cfg.seq_len + 2:
             raise CorpusError(
-                f"training split ({n} tokens) is too small for {num_workers} workers with seq_len={cfg.seq_len}"
+                f"worker {worker_id} of {num_workers} gets {len(self.shard)} training tokens under "
+                f"data.sharding={cfg.sharding!r} (training split {len(splits.train)} tokens), too few for "
+                f"seq_len={cfg.seq_len}"
             )
-        self.shard = tokens[lo:hi]
         self.seq_len = cfg.seq_len
         self.batch_size = cfg.batch_size
-        self.rng = np.random.Generator(np.random.PCG64([seed, worker_id, 0x10C0]))
+        key = worker_id if stream is None else stream
+        self.rng = np.random.Generator(np.random.PCG64([seed, key & (2**64 - 1), 0x10C0]))
 
     def state(self) -> dict:
         return self.rng.bit_generator.state

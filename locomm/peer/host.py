@@ -302,6 +302,11 @@ class Host:
     def default_shard(self) -> tuple[int, int]:
         return self.opts.shard or (int(self.me.encode().hex()[-8:], 16) % 64, 64)
 
+    def stream_key(self) -> int:
+        """Keys this peer's data generator: the shard index where one was given, else 64 bits of its peer id
+        (under data.sharding = iid every peer samples the whole split, and no two draw the same windows)."""
+        return self.opts.shard[0] if self.opts.shard else int(self.me.encode().hex()[-16:], 16)
+
     def up(self, **fields: Any) -> None:
         """The driver is ready: heartbeats start, our addresses go where `locomm-peer swarm` (or a test) waits
         for them, and the ``started`` event is written with the driver's ``fields``."""

@@ -83,7 +83,11 @@ class Node:
         from locomm.train import Trainer, resolve_device  # noqa: PLC0415
 
         self.trainer = Trainer(
-            self.spec, device=resolve_device(self.opts.device), worker_id=shard[0], num_workers=shard[1]
+            self.spec,
+            device=resolve_device(self.opts.device),
+            worker_id=shard[0],
+            num_workers=shard[1],
+            stream=self.host.stream_key(),
         )
         self.algo = build_outer(self.spec.outer, self.params(), self.host.me)
         self.codec = PayloadCodec(

@@ -128,7 +128,7 @@ class Stage:
         if self.stage == 0:
             splits = load_corpus(spec.data)
             self.sampler = BatchSampler(
-                splits.train, spec.data, seed=spec.train.seed, worker_id=shard[0], num_workers=shard[1]
+                splits, spec.data, spec.train.seed, shard[0], shard[1], stream=self.host.stream_key()
             )
             self._val = eval_batches(splits.val, spec.data, spec.train.eval_batches)
         # Warm the codecs up here (numba compiles on first use), not inside a hop's deadline.

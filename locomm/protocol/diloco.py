@@ -5,6 +5,9 @@
     phi     = phi - eta*(Delta + mu*m)          # torch.optim.SGD(nesterov=True) on grad Delta
     theta_i = phi
 
+``outer.nesterov = false`` takes the heavy-ball step ``phi = phi - eta*m`` instead, as the DiLoCo baseline
+of NoLoCo's public configs does (momentum 0.3, H = 100).
+
 The peer daemon runs this round over hivemind's DecentralizedAverager; here it
 is the pure rule, which the simulator and the tests drive.
 """
@@ -42,7 +45,8 @@ class DiLoCo(OuterAlgorithm):
         for k in self.phi:
             d = mean_of(got, f"delta/{k}")
             self.m[k].mul_(mu).add_(d)
-            self.phi[k].sub_(d.add_(self.m[k], alpha=mu), alpha=eta)
+            step = d.add_(self.m[k], alpha=mu) if self.cfg.nesterov else self.m[k]
+            self.phi[k].sub_(step, alpha=eta)
         self._set_params(params, self.phi)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

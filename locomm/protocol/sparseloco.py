@@ -9,9 +9,13 @@
     phi    = phi - alpha*D ;  theta_r = phi     # no outer momentum
 
 R counts this worker and whoever answered. ``outer.sparseloco_aggregation = "senders"``
-keeps the first implementation's rule instead: each index averaged over the workers
-that sent it. With a fixed alpha that update grows with R where the workers' top-k
-sets differ (an index one worker sent is applied at full size, not 1/R of it).
+takes the public production code's rule instead (Templar's ``scatter_reduce(mean,
+include_self=False)``): each index averaged over the workers that sent it. With a fixed
+alpha that update grows with R where the workers' top-k sets differ (an index one worker
+sent is applied at full size, not 1/R of it). ``outer.sparseloco_clip = "median"`` scales
+each sender's update to a tensor down to the median norm of the round's senders, as that
+code clips before aggregating (per tensor here). Its 64x64 tiles and +-6 sigma value
+bins are not taken: the codec keeps 1-D chunks of 64 and two fitted levels.
 
 The payload is the codec's bytes, so the bytes on the wire are exactly what the
 codec produced; the codec is :func:`~locomm.compression.choice.codec_choice`'s.
@@ -57,17 +61,27 @@ class SparseLoCo(OuterAlgorithm):
         for k, phi in self.phi.items():
             total = torch.zeros_like(phi)
             count = torch.zeros_like(phi) if senders else None
-            for pl in received.values():
-                v = pl[f"sparse/{k}"]  # the codec's bytes (own payload), or a tensor the transport decoded
-                if isinstance(v, (bytes, bytearray, memoryview)):  # bounded by phi: a larger claim allocates nothing
-                    v = self.codecs[k].decode(v, max_numel=phi.numel())
-                d = v.float().reshape(phi.shape)
+            for d in self._clipped([self._decoded(k, pl) for pl in received.values()]):
                 total.add_(d)
                 if count is not None:
                     count.add_((d != 0).float())
             mean = total.div_(count.clamp_(min=1)) if count is not None else total.div_(len(received))
             phi.sub_(mean, alpha=self.cfg.sparse_lr)
         self._set_params(params, self.phi)
+
+    def _decoded(self, k: str, pl: Payload) -> torch.Tensor:
+        phi = self.phi[k]
+        v = pl[f"sparse/{k}"]  # the codec's bytes (own payload), or a tensor the transport decoded
+        if isinstance(v, (bytes, bytearray, memoryview)):  # bounded by phi: a larger claim allocates nothing
+            v = self.codecs[k].decode(v, max_numel=phi.numel())
+        return v.float().reshape(phi.shape)
+
+    def _clipped(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.cfg.sparseloco_clip != "median" or len(updates) < 2:
+            return updates
+        norms = torch.stack([d.norm() for d in updates])
+        cap = norms.median()  # the lower middle for an even count: a lone large sender cannot set it
+        return [d * torch.clamp(cap / n, max=1.0) if n > 0 else d for d, n in zip(updates, norms)]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """phi and each parameter's error-feedback residual (zeros before the first round)."""

@@ -110,8 +110,7 @@ class PipelineSim:
                 self.workers[r][s] = StageWorker(spec, s, geo=self.geo, module=mod)
         shards = list(shards) if shards is not None else [(r, self.R) for r in range(self.R)]
         self.samplers = [
-            BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=i, num_workers=n)
-            for i, n in shards
+            BatchSampler(self.splits, spec.data, seed=spec.train.seed, worker_id=i, num_workers=n) for i, n in shards
         ]
         self._val = eval_batches(self.splits.val, spec.data, spec.train.eval_batches)
         self.M = spec.data.batch_size // spec.pipeline.micro_batch_size

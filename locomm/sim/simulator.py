@@ -147,7 +147,7 @@ class Simulator:
         if algo == "ddp":
             self.trainers = [Trainer(spec, splits=self.splits)]
             self.samplers = [
-                BatchSampler(self.splits.train, spec.data, seed=spec.train.seed, worker_id=w, num_workers=workers)
+                BatchSampler(self.splits, spec.data, seed=spec.train.seed, worker_id=w, num_workers=workers)
                 for w in range(workers)
             ]
             self.ddp = [DDP(w) for w in range(workers)]

@@ -62,6 +62,7 @@ class Trainer:
         splits: TokenSplits | None = None,
         worker_id: int = 0,
         num_workers: int = 1,
+        stream: int | None = None,
     ) -> None:
         self.spec = spec
         self.device = torch.device(device)
@@ -70,7 +71,7 @@ class Trainer:
         self.model = build_model(spec.model, seed=spec.train.seed, device=self.device)
         self.optimizer = build_optimizer(self.model.parameters(), spec.inner)
         self.sampler = BatchSampler(
-            self.splits.train, spec.data, seed=spec.train.seed, worker_id=worker_id, num_workers=num_workers
+            self.splits, spec.data, seed=spec.train.seed, worker_id=worker_id, num_workers=num_workers, stream=stream
         )
         self._val = eval_batches(self.splits.val, spec.data, spec.train.eval_batches)
         self.step = 0

@@ -220,7 +220,7 @@ def _stage_spec() -> RunSpec:
 def _replica(spec: RunSpec, stage: int, splits) -> tuple[StageWorker, object, BatchSampler | None]:
     worker = StageWorker(spec, stage)
     algo = build_outer(spec.outer, worker.params(), 0)
-    sampler = BatchSampler(splits.train, spec.data, seed=spec.train.seed) if stage == 0 else None
+    sampler = BatchSampler(splits, spec.data, seed=spec.train.seed) if stage == 0 else None
     return worker, algo, sampler
 
 

@@ -1,9 +1,11 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
-from locomm.config import DataConfig
-from locomm.data import BatchSampler, ByteTokenizer, CorpusError, eval_batches, load_corpus
-from locomm.data.corpus import EOS
+from locomm.config import ConfigError, DataConfig
+from locomm.data import BatchSampler, ByteTokenizer, CorpusError, TokenSplits, eval_batches, load_corpus
+from locomm.data.corpus import EOS, shard_of
 
 
 def test_tokenizer_round_trip():
@@ -64,11 +66,11 @@ def test_clear_errors(tmp_path):
         load_corpus(DataConfig(corpus=str(tmp_path / "short.txt")))
 
 
-def test_worker_shards_are_disjoint_and_seeded(nano_spec, nano_splits):
-    cfg = nano_spec.data
-    a0 = BatchSampler(nano_splits.train, cfg, seed=0, worker_id=0, num_workers=4)
-    a0b = BatchSampler(nano_splits.train, cfg, seed=0, worker_id=0, num_workers=4)
-    a1 = BatchSampler(nano_splits.train, cfg, seed=0, worker_id=1, num_workers=4)
+def test_contiguous_shards_are_disjoint_and_seeded(nano_spec, nano_splits):
+    cfg = dataclasses.replace(nano_spec.data, sharding="contiguous")
+    a0 = BatchSampler(nano_splits, cfg, seed=0, worker_id=0, num_workers=4)
+    a0b = BatchSampler(nano_splits, cfg, seed=0, worker_id=0, num_workers=4)
+    a1 = BatchSampler(nano_splits, cfg, seed=0, worker_id=1, num_workers=4)
     x0, y0 = a0.next()
     assert x0.shape == (cfg.batch_size, cfg.seq_len) and y0.shape == x0.shape
     assert np.shares_memory(a0.shard, nano_splits.train)  # views, not copies
@@ -77,7 +79,37 @@ def test_worker_shards_are_disjoint_and_seeded(nano_spec, nano_splits):
     n = len(nano_splits.train)
     assert len(a0.shard) + len(a1.shard) <= n // 2 + 2
     with pytest.raises(ValueError):
-        BatchSampler(nano_splits.train, cfg, seed=0, worker_id=4, num_workers=4)
+        BatchSampler(nano_splits, cfg, seed=0, worker_id=4, num_workers=4)
+
+
+def test_iid_is_the_default_and_each_stream_is_its_own(nano_spec, nano_splits):
+    cfg = nano_spec.data
+    assert cfg.sharding == "iid"
+    a = [BatchSampler(nano_splits, cfg, seed=0, worker_id=w, num_workers=4) for w in range(4)]
+    assert all(s.shard is nano_splits.train for s in a)  # every worker samples the whole split
+    first = [s.next()[0] for s in a]
+    assert all(not np.array_equal(first[0], f) for f in first[1:])
+    # In a swarm the stream key comes from the peer id: same shard index, different windows.
+    p = BatchSampler(nano_splits, cfg, seed=0, worker_id=3, num_workers=64, stream=2**63 + 5)
+    q = BatchSampler(nano_splits, cfg, seed=0, worker_id=3, num_workers=64, stream=2**63 + 6)
+    assert not np.array_equal(p.next()[0], q.next()[0])
+
+
+def test_files_sharding_partitions_documents(nano_spec, nano_splits):
+    cfg = dataclasses.replace(nano_spec.data, sharding="files")
+    docs = nano_splits.train_docs
+    assert docs is not None and docs[-1] == len(nano_splits.train)
+    shards = [BatchSampler(nano_splits, cfg, seed=0, worker_id=w, num_workers=4).shard for w in range(4)]
+    assert sum(len(s) for s in shards) == len(nano_splits.train)  # every document in exactly one shard
+    assert min(len(s) for s in shards) > len(nano_splits.train) // 16  # hashing spreads the files
+    # A stream without documents (.bin) is cut into blocks instead.
+    bare = TokenSplits(train=nano_splits.train, val=nano_splits.val, description="bin")
+    blocks = [shard_of(bare, "files", w, 4) for w in range(4)]
+    assert sum(len(b) for b in blocks) == len(bare.train)
+    with pytest.raises(CorpusError, match="too few"):
+        BatchSampler(bare, dataclasses.replace(cfg, seq_len=len(bare.train)), seed=0, worker_id=0, num_workers=4)
+    with pytest.raises(ConfigError, match="sharding"):
+        DataConfig(sharding="random")
 
 
 def test_eval_batches_fixed(nano_spec, nano_splits):

@@ -85,6 +85,25 @@ def test_diloco_matches_torch_nesterov_sgd():
                 assert torch.allclose(thetas[i][k], ref[k].detach(), atol=1e-5)
 
 
+def test_diloco_heavy_ball_matches_torch_sgd():
+    """outer.nesterov = false: NoLoCo's DiLoCo baseline (heavy-ball momentum 0.3)."""
+    cfg = OuterConfig(algo="diloco", lr=0.7, momentum=0.3, nesterov=False)
+    start = rand_params(0)
+    members = [0, 1, 2]
+    thetas = {i: {k: v.clone() for k, v in start.items()} for i in members}
+    algos = {i: DiLoCo(cfg, thetas[i], i) for i in members}
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    opt = torch.optim.SGD(list(ref.values()), lr=0.7, momentum=0.3)
+    for r in range(4):
+        drift(thetas, 200 + r)
+        for k, p in ref.items():
+            p.grad = torch.stack([p.detach() - thetas[i][k] for i in members]).mean(0)
+        opt.step()
+        run_round(algos, thetas, r, members)
+        for k in SHAPES:
+            assert torch.allclose(thetas[0][k], ref[k].detach(), atol=1e-5)
+
+
 def test_diloco_goes_on_with_who_answered():
     cfg = OuterConfig(algo="diloco", lr=1.0, momentum=0.0)
     start = rand_params(0)
@@ -248,6 +267,26 @@ def test_sparseloco_outer_rule_counts_senders_per_index():
     mean_b[:2] = (d[0]["b"][:2] + d[1]["b"][:2]) / 2
     assert torch.allclose(thetas[0]["b"], phi0["b"] - 0.8 * mean_b, atol=1e-6)
     assert torch.allclose(thetas[1]["a"], phi0["a"] - 0.8 * (d[0]["a"] + d[1]["a"] + d[2]["a"]) / 3, atol=1e-6)
+
+
+def test_sparseloco_median_clip_caps_each_sender():
+    """The public code's robustness step: each sender's update scaled to at most the median norm."""
+    cfg = OuterConfig(algo="sparseloco", sparse_lr=1.0, sparseloco_aggregation="senders", sparseloco_clip="median")
+    members = [0, 1, 2]
+    thetas = {i: {k: v.clone() for k, v in rand_params(0).items()} for i in members}
+    algos = {i: SparseLoCo(cfg, thetas[i], i, codec_factory=DenseCodec) for i in members}
+    phi0 = {k: v.clone() for k, v in algos[0].phi.items()}
+    drift(thetas, 4)
+    for k in SHAPES:  # worker 2 lies with a 100x update: clipped to the median, it cannot move phi far
+        thetas[2][k] = phi0[k] - 100 * (phi0[k] - thetas[2][k])
+    d = {i: {k: phi0[k] - thetas[i][k] for k in SHAPES} for i in members}
+    run_round(algos, thetas, 0, members)
+    for k in SHAPES:
+        norms = torch.stack([d[i][k].norm() for i in members])
+        cap = norms.median()
+        clipped = [d[i][k] * min(1.0, float(cap / d[i][k].norm())) for i in members]
+        assert torch.allclose(thetas[0][k], phi0[k] - sum(clipped) / 3, atol=1e-5)
+        assert (phi0[k] - thetas[0][k]).norm() <= cap * 1.0001
 
 
 def test_sparseloco_paper_rule_is_the_mean_over_all_workers():

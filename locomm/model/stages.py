@@ -16,6 +16,12 @@ Notable:
 - :meth:`StageModule.project_` keeps the invariant after every optimizer step:
   ``W_o``, ``W_2`` and ``E_learn`` are projected onto span(U), except in the last
   stage's final two layers (they write into nothing that is sent), as node0 does.
+- ``pipeline.subspace_form = "reparam"``: W = U U^T W' for the same writes; a hook projects each one's gradient
+  before it is accumulated, so the optimizer's moments, the clipping norm and the replica sync see only what
+  can move W (with "project" the optimizer sees the whole gradient, and the part outside span(U) is thrown away
+  after the step). Both keep ``h - E_f[tok]`` in span(U) exactly.
+- ``pipeline.branch_norm``: node0's block form ``h + rms(f(norm(h)))`` with a gain-free RMSNorm on each branch;
+  ``pipeline.fixed_embed_std``: E_f's std, part of the geometry every stage and the codec share.
 - :class:`ConstrainedModel` is the unsplit reference: the same modules, the same
   constraint, and the same boundary map at the same layers, in one module. A split run
   in one process gives its loss and gradients (tests/unit/test_pipeline.py).
@@ -37,7 +43,7 @@ from locomm.model.llama import LlamaModel
 from locomm.model.subspace import make_basis, make_fixed_embedding, project_onto_subspace_
 
 FIXED_EMBED_STD = 0.02
-"""Standard deviation of E_f (the subspace codec's default, so codec and model agree)."""
+"""Default standard deviation of E_f (``pipeline.fixed_embed_std``; the subspace codec's default)."""
 
 
 def stage_layers(n_layers: int, stages: int, layers: tuple[int, ...] = ()) -> list[range]:
@@ -67,6 +73,12 @@ class Geometry:
     subspace: bool
     free_tail: int = -1
     """Blocks at the end of the last stage left unconstrained; -1: all of them."""
+    fixed_std: float = FIXED_EMBED_STD
+    """Standard deviation of E_f (``pipeline.fixed_embed_std``); the codec must use the same."""
+    branch_norm: bool = False
+    """A non-trainable RMSNorm on each branch output before the residual add (``pipeline.branch_norm``)."""
+    form: str = "project"
+    """'project' or 'reparam' (``pipeline.subspace_form``): whether the optimizer sees projected gradients."""
 
     @classmethod
     def of(cls, spec: RunSpec, *, stages: int | None = None, subspace: bool | None = None) -> Geometry:
@@ -83,6 +95,9 @@ class Geometry:
             seed=spec.train.seed,
             subspace=p.subspace if subspace is None else subspace,
             free_tail=p.free_tail_layers,
+            fixed_std=p.fixed_embed_std,
+            branch_norm=p.branch_norm,
+            form=p.subspace_form,
         )
 
     @property
@@ -91,7 +106,7 @@ class Geometry:
 
     @property
     def E_f(self) -> torch.Tensor:  # (V, d)
-        return make_fixed_embedding(self.vocab_size, self.d, self.seed, FIXED_EMBED_STD)
+        return make_fixed_embedding(self.vocab_size, self.d, self.seed, self.fixed_std)
 
     @property
     def boundary_width(self) -> int:
@@ -136,6 +151,9 @@ class StageModule(nn.Module):
         self.register_buffer("U", geo.U.clone(), persistent=False)
         self.register_buffer("E_f", geo.E_f.clone(), persistent=False)
         self.max_seq_len = full.cfg.max_seq_len
+        self.norm_eps = full.cfg.norm_eps
+        if geo.subspace and geo.form == "reparam":
+            self._reparameterise()
 
     # -- the boundary map ----------------------------------------------------------------
 
@@ -168,16 +186,56 @@ class StageModule(nn.Module):
             raise ValueError(f"stage {self.stage} needs the previous stage's output")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for i in self.layer_ids:
-            h = self.layers[str(i)](h, cos, sin)
+            h = self._block(self.layers[str(i)], h, cos, sin)
         if not self.last:
             return h
         return self.head(self.norm(h))
+
+    def _block(self, blk: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A block; with ``branch_norm`` node0's form ``h + rms(f(norm(h)))``, the branch RMSNorm without a gain
+        (a per-token scale, so a write in span(U) stays there)."""
+        if not self.geo.branch_norm:
+            return blk(h, cos, sin)
+        h = h + _rms(blk.attn(blk.attn_norm(h), cos, sin), self.norm_eps)
+        return h + _rms(blk.mlp(blk.mlp_norm(h)), self.norm_eps)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     # -- the constraint ------------------------------------------------------------------
+
+    def constrained(self) -> tuple[list[str], list[str]]:
+        """The modules whose writes must lie in span(U): (W_o and W_2 of the constrained blocks, the embedding)."""
+        if not self.geo.subspace:
+            return [], []
+        free = self.geo.free_layers()
+        out = [f"layers.{i}.attn.wo" for i in self.layer_ids if i not in free]
+        out += [f"layers.{i}.mlp.w2" for i in self.layer_ids if i not in free]
+        return out, (["embed"] if self.first else [])
+
+    def _reparameterise(self) -> None:
+        """W = U U^T W' for every constrained write: the gradient of W' is the projected gradient of W.
+
+        Kept as W' in span(U) (:meth:`project_` after each step) with the gradient projected by a hook
+        before it is accumulated, which is the same update as the reparameterisation (the part of W' outside
+        span(U) never reaches the forward) and keeps the parameter names and shapes. The optimizer's moments,
+        the clipping norm and the replica sync then see only the part of the gradient that can move W.
+        """
+        mods = dict(self.named_modules())
+        writes, embed = self.constrained()
+        for name in writes:
+            mods[name].weight.register_hook(self._project_columns)
+        for name in embed:
+            mods[name].weight.register_hook(self._project_rows)
+
+    def _project_columns(self, g: torch.Tensor) -> torch.Tensor:  # (d, in): U U^T g
+        u = self.U.to(g.dtype)
+        return u @ (u.T @ g)
+
+    def _project_rows(self, g: torch.Tensor) -> torch.Tensor:  # (V, d): g U U^T
+        u = self.U.to(g.dtype)
+        return (g @ u) @ u.T
 
     @torch.no_grad()
     def project_(self) -> list[str]:
@@ -198,6 +256,12 @@ class StageModule(nn.Module):
         v = h.detach().float() - self.E_f[tokens]
         off = v - (v @ self.U) @ self.U.T
         return float(off.norm() / v.norm().clamp_min(1e-30))
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a gain, in fp32 like the model's."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def build_stages(spec: RunSpec, geo: Geometry | None = None) -> list[StageModule]:

@@ -99,7 +99,14 @@ def train(
     "bf16+lossless (default: the run spec's compression per tensor role, as the daemon sends).",
 )
 @click.option("--eval-every", type=int, default=1, show_default=True, help="Evaluate every this many rounds.")
-@click.option("--seed", type=int, help="Overrides train.seed (model init and data order).")
+@click.option(
+    "--seed", type=int, help="Overrides train.seed and outer.seed together (model init, data order and grouping)."
+)
+@click.option(
+    "--sharding",
+    type=click.Choice(["iid", "files", "contiguous"]),
+    help="Overrides data.sharding: what each worker samples (default iid: the whole training split).",
+)
 @click.option(
     "--no-overlap",
     is_flag=True,
@@ -124,6 +131,7 @@ def simulate(
     codec: str | None,
     eval_every: int,
     seed: int | None,
+    sharding: str | None,
     no_overlap: bool,
     as_json: bool,
     plot: Path | None,
@@ -151,7 +159,9 @@ def simulate(
         spec = load_spec(config, preset or (None if config else "nano"))
         spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps is not None else {}))
         if seed is not None:
-            spec = spec.replace("train", seed=seed)
+            spec = spec.replace("train", seed=seed).replace("outer", seed=seed)
+        if sharding is not None:
+            spec = spec.replace("data", sharding=sharding)
         if rounds < 1:
             raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
         # The inner LR schedule spans the whole simulated run.
@@ -207,7 +217,9 @@ def _simulate_pipeline(
             **({"inner_steps": inner_steps} if inner_steps is not None else {}),
         )
         if seed is not None:
-            spec = spec.replace("train", seed=seed)
+            spec = spec.replace("train", seed=seed).replace("outer", seed=seed)
+        if sharding is not None:
+            spec = spec.replace("data", sharding=sharding)
         if rounds < 1:
             raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
         steps = rounds * spec.outer.inner_steps

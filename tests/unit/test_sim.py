@@ -187,6 +187,10 @@ def test_cli_simulate_json(tmp_path):
             "3",
             "--heterogeneity",
             "0.5",
+            "--sharding",
+            "contiguous",
+            "--seed",
+            "3",
             "--json",
         ],
         capture_output=True,
@@ -206,6 +210,7 @@ def test_cli_simulate_json(tmp_path):
     ):
         assert key in s
     assert s["workers"] == 2 and s["final_val_loss"] < s["initial_val_loss"] and s["overlap"] is True
+    assert (s["sharding"], s["seed"], s["outer_seed"]) == ("contiguous", 3, 3)  # --seed varies the grouping too
     assert 0 < s["compute_utilisation"]["min"] <= s["compute_utilisation"]["mean"] <= 1
     bad = subprocess.run(
         [

@@ -150,6 +150,7 @@ def simulate(
             preset,
             config,
             seed,
+            sharding,
             as_json,
         )
         return
@@ -203,6 +204,7 @@ def _simulate_pipeline(
     preset: str | None,
     config: str | None,
     seed: int | None,
+    sharding: str | None,
     as_json: bool,
 ) -> None:
     try:

@@ -145,18 +145,22 @@ class PipelineConfig:
     Only blocks before the last boundary must write into span(U) for the boundary map to be exact, so every
     value keeps it exact. node0 leaves 2; on tiny at 32x, 2 stages, 311 steps, freeing the whole last stage
     (4 blocks) ends at 1.914 against 1.970 (benchmarks/pipeline.py, tiny32_free vs tiny32)."""
-    fixed_embed_std: float = 0.02
+    fixed_embed_std: float = 1.0
     """Standard deviation of the fixed random token embedding E_f that stage 0 adds and the receiver of z
     rebuilds (with ``subspace``). Part of the shared geometry: every stage and the boundary codec derive E_f
-    from (seed, std), and a payload made with another std is refused. Pluralis' ProtocolNanoGPT draws it at 1.0."""
-    branch_norm: bool = False
+    from (seed, std). 1.0 as in Pluralis' ProtocolNanoGPT; with ``branch_norm`` it holds the loss at 32x where
+    0.02 (the old default) lost 7.6% (docs/results/pipeline.md, "The subspace at the k that holds the loss").
+    Until compression/choice.py hands the codec this value, any other value is refused with the subspace."""
+    branch_norm: bool | None = None
     """node0's block form: a non-trainable RMSNorm on each attention and MLP branch output before it is added
-    to the residual stream (``h + rmsnorm(f(norm(h)))``). Without a gain it only rescales each token's write,
-    so a write in span(U) stays there."""
+    to the residual stream (``h + rmsnorm(f(norm(h)))``); without a gain it only rescales each token's write,
+    so a write in span(U) stays there. None (default): on with ``subspace``, where E_f at std 1 sets the scale
+    the writes are normalised to; off without it (the plain pipeline loses 7% with it at std-0.02 embeddings)."""
     subspace_form: str = "project"
     """How the writes into the residual stream (W_o, W_2, E_learn) are kept in span(U): 'project' (onto span(U)
     after every optimizer step; the optimizer sees the full gradient) or 'reparam' (W = U U^T W': the gradient
-    reaching the optimizer is projected too, so its state never holds the part the projection discards)."""
+    reaching the optimizer is projected too, so its state never holds the part the projection discards). Measured
+    no better at d=256 (docs/results/pipeline.md): the gap is the scale of E_f, not the optimizer's state."""
     stage_timeout_s: float = 60.0
     """How long a stage waits for the rest of the pipeline to answer one micro-batch (forward and backward)."""
     reroute_attempts: int = 3
@@ -167,7 +171,11 @@ class PipelineConfig:
         positive(self, "stages", "micro_batch_size", "in_flight", "stage_timeout_s", "fixed_embed_std")
         check(math.isfinite(self.fixed_embed_std), "fixed_embed_std", f"must be finite, got {self.fixed_embed_std}")
         choice(self, "subspace_form", SUBSPACE_FORMS)
-        check(isinstance(self.branch_norm, bool), "branch_norm", f"must be true or false, got {self.branch_norm!r}")
+        check(
+            self.branch_norm is None or isinstance(self.branch_norm, bool),
+            "branch_norm",
+            f"must be true, false or unset, got {self.branch_norm!r}",
+        )
         check(self.reroute_attempts >= 0, "reroute_attempts", f"must be >= 0, got {self.reroute_attempts}")
         check(
             self.free_tail_layers >= -1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -40,18 +41,24 @@ def _train(spec: RunSpec, steps: int = 3) -> tuple[list[StageWorker], torch.Tens
 
 
 def test_fixed_std_reaches_geometry_and_stages() -> None:
-    spec = _spec(fixed_embed_std=1.0)
+    spec = _spec()
     geo = Geometry.of(spec)
-    assert geo.fixed_std == 1.0 and Geometry.of(_spec()).fixed_std == FIXED_EMBED_STD
+    assert geo.fixed_std == spec.pipeline.fixed_embed_std == FIXED_EMBED_STD == 1.0
     assert abs(float(geo.E_f.std()) - 1.0) < 0.02
     for st in build_stages(spec, geo):
         assert torch.equal(st.E_f, geo.E_f)
+    first = BoundaryCoder(spec, geo).act
+    assert getattr(first, "codecs", [first])[0].fixed_std == geo.fixed_std
+    # Another std would leave the codec on FIXED_EMBED_STD (compression/choice.py): refused with the subspace.
+    with pytest.raises(ConfigError, match="fixed_embed_std"):
+        Geometry.of(_spec(fixed_embed_std=0.02))
+    assert not Geometry.of(_spec(fixed_embed_std=0.02, subspace=False)).subspace
 
 
 def test_codec_built_with_the_geometry_std_rebuilds_the_stage_boundary() -> None:
     """A subspace codec with the geometry's std carries exactly the stage's own boundary map."""
-    spec = _spec(fixed_embed_std=1.0)
-    geo = Geometry.of(spec)
+    spec = _spec()
+    geo = dataclasses.replace(Geometry.of(spec), fixed_std=0.02)
     s0 = build_stages(spec, geo)[0]
     ch = codec_choice(TensorRole.ACTIVATION, spec.compression, boundary=geo)
     codec = ch.build(subspace={**ch.options["subspace"], "fixed_std": geo.fixed_std})
@@ -68,14 +75,15 @@ def test_codec_built_with_the_geometry_std_rebuilds_the_stage_boundary() -> None
     reason="compression/choice.py hands the subspace codec FIXED_EMBED_STD, not Geometry.fixed_std",
 )
 def test_boundary_coder_uses_the_geometry_std() -> None:
-    geo = Geometry.of(_spec(fixed_embed_std=1.0))
-    first = BoundaryCoder(_spec(fixed_embed_std=1.0), geo).act
-    first = getattr(first, "codecs", [first])[0]
-    assert first.fixed_std == geo.fixed_std
+    spec = _spec()
+    geo = dataclasses.replace(Geometry.of(spec), fixed_std=0.5)
+    first = BoundaryCoder(spec, geo).act
+    assert getattr(first, "codecs", [first])[0].fixed_std == geo.fixed_std
 
 
 def test_branch_norm_adds_no_parameters_and_normalises_each_write() -> None:
-    plain, normed = build_stages(_spec()), build_stages(_spec(branch_norm=True))
+    assert Geometry.of(_spec()).branch_norm and not Geometry.of(_spec(subspace=False)).branch_norm  # None: follows
+    plain, normed = build_stages(_spec(branch_norm=False)), build_stages(_spec(branch_norm=True))
     for a, b in zip(plain, normed, strict=True):
         assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()]
     st = normed[0]
@@ -96,7 +104,7 @@ def _unit(v: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("branch_norm", [False, True])
 @pytest.mark.parametrize("form", ["project", "reparam"])
 def test_forms_keep_the_invariant(form: str, branch_norm: bool) -> None:
-    w, x = _train(_spec(subspace_form=form, branch_norm=branch_norm, fixed_embed_std=1.0))
+    w, x = _train(_spec(subspace_form=form, branch_norm=branch_norm))
     with torch.no_grad():
         h = w[0].module(x)
     assert w[0].module.residual_norm(h, x) < 1e-5
@@ -130,6 +138,7 @@ def test_reparam_hands_the_optimizer_projected_gradients() -> None:
         {"fixed_embed_std": math.inf},
         {"subspace_form": "projected"},
         {"branch_norm": 1},
+        {"branch_norm": "yes"},
     ],
 )
 def test_bad_values_raise_config_error(bad: dict[str, object]) -> None:

@@ -350,6 +350,11 @@ def cmd_table(a: argparse.Namespace) -> None:
             f"| {r['entry']} | {r['points_run']}/12 | {setting} | {r['tune_val_loss']:.4f} | {conf} | {rel} | "
             f"{dflt} | {r['bytes_sent_per_worker'] / 1e6:.2f} | {100 * r['util_80mbit_het']:.0f}% |"
         )
+    if a.points:  # every sweep point, best first
+        for algo in ALL:
+            pts = sorted(sweep_results(algo, a.setup), key=lambda r: r["final_val_loss"])
+            if pts:
+                print(f"- {algo}: " + ", ".join(f"{point_name(r['params'])} {r['final_val_loss']:.4f}" for r in pts))
     if a.json:
         _harness.write_json(ROOT / a.setup / "table.json", rows)
 
@@ -457,6 +462,7 @@ def main() -> None:
     r.add_argument("--no-seeds", action="store_true", help="Only the sweep, not the seeds 2-4 of its best points")
     t = sub.add_parser("table")
     t.add_argument("--json", action="store_true", help="Also write benchmarks/results/tune/<setup>/table.json")
+    t.add_argument("--points", action="store_true", help="Also list every sweep point, best first")
     g = sub.add_parser("aggregation")
     g.add_argument("--workers", type=int, nargs="+", default=[8, 16])
     for p in (r, t, g):

@@ -40,6 +40,7 @@ What was run (the rest of the cross product was not; docs/results/pipeline.md li
     python benchmarks/pipeline.py sweep --k 8 --seeds 1 --forms init_std1_bn
     python benchmarks/pipeline.py sweep --d 512 --k 16 64 --seeds 0 --forms plain unsplit reparam_std1_bn project
     python benchmarks/pipeline.py sweep --d 512 --k 16 --seeds 0 --forms init_std1_bn
+    python benchmarks/pipeline.py sweep --d 512 --k 16 64 --seeds 0 --forms project_std1_bn
     python benchmarks/pipeline.py table
 """
 
@@ -346,7 +347,7 @@ def k_table(rows: list[dict[str, Any]], within: float = 0.03) -> str:
             bpt = cell(f, best, "bytes_per_token_per_boundary")[0] if best is not None else math.nan
             out.append(
                 f"| {f} | {ref_form} | " + " | ".join(cells) + f" | {best if best is not None else 'none'} | "
-                f"{f'{bpt:.1f}' if math.isfinite(bpt) else '-'} |"
+                f"{f'{bpt:.1f}' if math.isfinite(bpt) else '-'}{' (h whole)' if f.startswith('init') else ''} |"
             )
     return "\n".join(out)
 

@@ -195,16 +195,14 @@ def k_spec(d: int, k: int, form: str, seed: int, steps: int, layers: int, seq: i
 
 
 def boundary_codecs(spec: RunSpec, geo: Any) -> tuple[Any, Any]:
-    """The activation and gradient stacks of the boundary, the subspace stage built with the geometry's E_f std
-    (``compression/choice.py`` still hands the codec ``FIXED_EMBED_STD``; see docs/results/pipeline.md)."""
+    """The activation and gradient stacks of the boundary (the subspace stage takes the geometry's E_f std)."""
     from locomm.compression.choice import TensorRole, codec_choice  # noqa: PLC0415
 
-    out = []
-    for role in (TensorRole.ACTIVATION, TensorRole.ACT_GRADIENT):
-        ch = codec_choice(role, spec.compression, boundary=geo)
-        extra = {"subspace": {**ch.options["subspace"], "fixed_std": geo.fixed_std}} if geo.subspace else {}
-        out.append(ch.build(**extra))
-    return out[0], out[1]
+    act, grad = (
+        codec_choice(r, spec.compression, boundary=geo).build()
+        for r in (TensorRole.ACTIVATION, TensorRole.ACT_GRADIENT)
+    )
+    return act, grad
 
 
 def train_k(spec: RunSpec, form: str) -> dict[str, Any]:
@@ -212,14 +210,10 @@ def train_k(spec: RunSpec, form: str) -> dict[str, Any]:
     import dataclasses  # noqa: PLC0415
 
     from locomm.data import BatchSampler, eval_batches, load_corpus  # noqa: PLC0415
-    from locomm.model.stages import FIXED_EMBED_STD, Geometry, StageModule, build_stages  # noqa: PLC0415
+    from locomm.model.stages import Geometry, StageModule, build_stages  # noqa: PLC0415
     from locomm.train.stage import StageWorker  # noqa: PLC0415
 
-    # Geometry.of refuses an E_f std other than the one compression/choice.py hands the codec; here the codec
-    # is built with the geometry's std (boundary_codecs), so any std is consistent.
-    p = spec.pipeline
-    geo = Geometry.of(spec.replace("pipeline", fixed_embed_std=FIXED_EMBED_STD))
-    geo = dataclasses.replace(geo, fixed_std=p.fixed_embed_std)
+    geo = Geometry.of(spec)
     mods = build_stages(spec, geo)
     wire = geo
     if form.startswith("init"):  # in E_f + span(U) at init, then unconstrained, with the whole h on the wire

@@ -97,14 +97,12 @@ def codec_choice(
         return CodecChoice(role, "+".join(n for n in names if n != "subspace") or "lossless")
     if names[0] != "subspace":
         names = ["subspace", *names]
-    from locomm.model.stages import FIXED_EMBED_STD  # noqa: PLC0415 - E_f's scale; model.stages imports us
-
     subspace = {
         "d": boundary.d,
         "k": boundary.k,
         "vocab_size": boundary.vocab_size,
         "seed": boundary.seed,
-        "fixed_std": FIXED_EMBED_STD,
+        "fixed_std": boundary.fixed_std,  # E_f's scale: the stages' own (pipeline.fixed_embed_std)
         "kind": _BOUNDARY_KIND[role],
         "include_tokens": False,  # the token window travels on its own (role tokens)
     }

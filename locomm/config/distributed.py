@@ -149,8 +149,7 @@ class PipelineConfig:
     """Standard deviation of the fixed random token embedding E_f that stage 0 adds and the receiver of z
     rebuilds (with ``subspace``). Part of the shared geometry: every stage and the boundary codec derive E_f
     from (seed, std). 1.0 as in Pluralis' ProtocolNanoGPT; with ``branch_norm`` it holds the loss at 32x where
-    0.02 (the old default) lost 7.6% (docs/results/pipeline.md, "The subspace at the k that holds the loss").
-    Until compression/choice.py hands the codec this value, any other value is refused with the subspace."""
+    0.02 (the old default) lost 7.6% (docs/results/pipeline.md, "The subspace at the k that holds the loss")."""
     branch_norm: bool | None = None
     """node0's block form: a non-trainable RMSNorm on each attention and MLP branch output before it is added
     to the residual stream (``h + rmsnorm(f(norm(h)))``); without a gain it only rescales each token's write,

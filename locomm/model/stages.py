@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from locomm.config import ConfigError, RunSpec
+from locomm.config import RunSpec
 from locomm.model.llama import LlamaModel
 from locomm.model.subspace import make_basis, make_fixed_embedding, project_onto_subspace_
 
 FIXED_EMBED_STD = 1.0
-"""Standard deviation of E_f that compression/choice.py hands the boundary codec (``pipeline.fixed_embed_std``'s
-default; :meth:`Geometry.of` refuses another value with the subspace until the codec takes it from the geometry)."""
+"""``pipeline.fixed_embed_std``'s default: the standard deviation of E_f (the stages and the boundary codec
+both take the run's value from :class:`Geometry`)."""
 
 
 def stage_layers(n_layers: int, stages: int, layers: tuple[int, ...] = ()) -> list[range]:
@@ -88,11 +88,6 @@ class Geometry:
         ranges = stage_layers(spec.model.n_layers, n, p.layers if stages is None else ())
         d = spec.model.d_model
         sub = p.subspace if subspace is None else subspace
-        if sub and p.fixed_embed_std != FIXED_EMBED_STD:
-            raise ConfigError(
-                f"pipeline.fixed_embed_std: the boundary codec rebuilds h with E_f at std {FIXED_EMBED_STD} "
-                f"(compression/choice.py), so the stages must use it too; got {p.fixed_embed_std}"
-            )
         return cls(
             stages=n,
             ranges=tuple(ranges),

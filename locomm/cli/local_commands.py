@@ -13,7 +13,8 @@ from pathlib import Path
 import click
 
 from locomm.cli.options import PRESETS, emit_json, fail, load_spec, parse_pipeline
-from locomm.config import ConfigError
+from locomm.config import ConfigError, RunSpec
+from locomm.config.training import SHARDINGS
 
 
 @click.command()
@@ -104,7 +105,7 @@ def train(
 )
 @click.option(
     "--sharding",
-    type=click.Choice(["iid", "files", "contiguous"]),
+    type=click.Choice(SHARDINGS),
     help="Overrides data.sharding: what each worker samples (default iid: the whole training split).",
 )
 @click.option(
@@ -159,10 +160,7 @@ def simulate(
             raise ConfigError("--algo is required (or give --pipeline SxR)")
         spec = load_spec(config, preset or (None if config else "nano"))
         spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps is not None else {}))
-        if seed is not None:
-            spec = spec.replace("train", seed=seed).replace("outer", seed=seed)
-        if sharding is not None:
-            spec = spec.replace("data", sharding=sharding)
+        spec = _seeded(spec, seed, sharding)
         if rounds < 1:
             raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
         # The inner LR schedule spans the whole simulated run.
@@ -192,6 +190,13 @@ def simulate(
         emit_json(result)
 
 
+def _seeded(spec: RunSpec, seed: int | None, sharding: str | None) -> RunSpec:
+    """``--seed`` (train.seed and outer.seed together) and ``--sharding`` applied to ``spec``."""
+    if seed is not None:
+        spec = spec.replace("train", seed=seed).replace("outer", seed=seed)
+    return spec if sharding is None else spec.replace("data", sharding=sharding)
+
+
 def _simulate_pipeline(
     shape: str,
     algo: str | None,
@@ -218,10 +223,7 @@ def _simulate_pipeline(
             algo=algo or (spec.outer.algo if spec.outer.algo != "none" else "noloco"),
             **({"inner_steps": inner_steps} if inner_steps is not None else {}),
         )
-        if seed is not None:
-            spec = spec.replace("train", seed=seed).replace("outer", seed=seed)
-        if sharding is not None:
-            spec = spec.replace("data", sharding=sharding)
+        spec = _seeded(spec, seed, sharding)
         if rounds < 1:
             raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
         steps = rounds * spec.outer.inner_steps

@@ -89,6 +89,10 @@ BUILTIN_CORPORA = ("stdlib",)
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?(:[A-Za-z0-9_.-]{1,64})?$")
 
 
+SHARDINGS = ("iid", "files", "contiguous")
+"""data.sharding's values (locomm/data/corpus.py: shard_of)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where tokens come from and how they are batched."""
@@ -114,7 +118,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         check(bool(self.corpus), "corpus", "must not be empty")
         choice(self, "bin_dtype", ("uint16", "uint32"))
-        choice(self, "sharding", ("iid", "files", "contiguous"))
+        choice(self, "sharding", SHARDINGS)
         positive(self, "seq_len", "batch_size", "max_corpus_mb")
         check(0 < self.val_percent < 100, "val_percent", f"must be in (0, 100), got {self.val_percent}")
 

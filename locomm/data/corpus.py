@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from locomm.config import DataConfig
+from locomm.config.training import SHARDINGS
 
 BOS, EOS, PAD = 256, 257, 258
 TEXT_SUFFIXES = {
@@ -269,7 +270,6 @@ def load_corpus(cfg: DataConfig) -> TokenSplits:
 
 FILE_BLOCK = 1 << 16
 """Tokens per block when ``files`` sharding meets a stream with no document boundaries (a .bin memmap)."""
-SHARDINGS = ("iid", "files", "contiguous")
 
 
 def shard_of(splits: TokenSplits, sharding: str, worker_id: int, num_workers: int) -> np.ndarray:

@@ -23,6 +23,12 @@ from torch import nn
 from locomm.config import ModelConfig
 
 
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a gain, normalized in fp32 for stability under bf16 autocast."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -30,10 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 for stability under bf16 autocast.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return rms_norm(x, self.eps) * self.weight
 
 
 def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

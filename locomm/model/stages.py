@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from locomm.config import RunSpec
-from locomm.model.llama import LlamaModel
+from locomm.model.llama import LlamaModel, rms_norm
 from locomm.model.subspace import make_basis, make_fixed_embedding, project_onto_subspace_
 
 FIXED_EMBED_STD = 1.0
@@ -198,8 +198,8 @@ class StageModule(nn.Module):
         (a per-token scale, so a write in span(U) stays there)."""
         if not self.geo.branch_norm:
             return blk(h, cos, sin)
-        h = h + _rms(blk.attn(blk.attn_norm(h), cos, sin), self.norm_eps)
-        return h + _rms(blk.mlp(blk.mlp_norm(h)), self.norm_eps)
+        h = h + rms_norm(blk.attn(blk.attn_norm(h), cos, sin), self.norm_eps)
+        return h + rms_norm(blk.mlp(blk.mlp_norm(h)), self.norm_eps)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -207,14 +207,14 @@ class StageModule(nn.Module):
 
     # -- the constraint ------------------------------------------------------------------
 
-    def constrained(self) -> tuple[list[str], list[str]]:
-        """The modules whose writes must lie in span(U): (W_o and W_2 of the constrained blocks, the embedding)."""
+    def constrained(self) -> tuple[list[str], list[str], list[str]]:
+        """The modules whose writes must lie in span(U): (W_o, W_2 of the constrained blocks, the embedding)."""
         if not self.geo.subspace:
-            return [], []
+            return [], [], []
         free = self.geo.free_layers()
-        out = [f"layers.{i}.attn.wo" for i in self.layer_ids if i not in free]
-        out += [f"layers.{i}.mlp.w2" for i in self.layer_ids if i not in free]
-        return out, (["embed"] if self.first else [])
+        wo = [f"layers.{i}.attn.wo" for i in self.layer_ids if i not in free]
+        w2 = [f"layers.{i}.mlp.w2" for i in self.layer_ids if i not in free]
+        return wo, w2, (["embed"] if self.first else [])
 
     def _reparameterise(self) -> None:
         """W = U U^T W' for every constrained write: the gradient of W' is the projected gradient of W.
@@ -225,8 +225,8 @@ class StageModule(nn.Module):
         the clipping norm and the replica sync then see only the part of the gradient that can move W.
         """
         mods = dict(self.named_modules())
-        writes, embed = self.constrained()
-        for name in writes:
+        wo, w2, embed = self.constrained()
+        for name in wo + w2:
             mods[name].weight.register_hook(self._project_columns)
         for name in embed:
             mods[name].weight.register_hook(self._project_rows)
@@ -244,9 +244,7 @@ class StageModule(nn.Module):
         """Project this stage's writes into the residual stream onto span(U) (no-op without the subspace)."""
         if not self.geo.subspace:
             return []
-        free = self.geo.free_layers()
-        wo = [f"layers.{i}.attn.wo" for i in self.layer_ids if i not in free]
-        w2 = [f"layers.{i}.mlp.w2" for i in self.layer_ids if i not in free]
+        wo, w2, _ = self.constrained()
         if not wo and not self.first:
             return []
         return project_onto_subspace_(
@@ -258,12 +256,6 @@ class StageModule(nn.Module):
         v = h.detach().float() - self.E_f[tokens]
         off = v - (v @ self.U) @ self.U.T
         return float(off.norm() / v.norm().clamp_min(1e-30))
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a gain, in fp32 like the model's."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def build_stages(spec: RunSpec, geo: Geometry | None = None) -> list[StageModule]:

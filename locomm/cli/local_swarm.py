@@ -247,8 +247,10 @@ def run_swarm(
     plot: Path | None,
     keep: Path | None = None,
     peer_args: tuple[str, ...] = (),
+    eval_every: int = 1,
 ) -> dict[str, Any]:
-    """Run ``peers`` data-parallel peers for ``rounds`` outer rounds; the summary of what they report."""
+    """Run ``peers`` data-parallel peers for ``rounds`` outer rounds, each evaluating every ``eval_every``
+    rounds (0: at the start and the end only); the summary of what they report."""
     console = Console(stderr=True)
     t0 = time.perf_counter()
     with _scratch("locomm-swarm-") as (folder, reaper):
@@ -258,7 +260,7 @@ def run_swarm(
             return [
                 *("--until-round", str(rounds), "--final-weights", str(folder / f"peer{i}.safetensors")),
                 *("--shard", f"{i}/{peers}", "--checkpoint-dir", str(folder / f"ckpt{i}")),
-                *("--wait-for-peers", str(peers), *peer_args),
+                *("--wait-for-peers", str(peers), "--eval-every", str(eval_every), *peer_args),
             ]
 
         with group:
@@ -282,10 +284,7 @@ def run_swarm(
         summary = swarm_summary(folder, rows, peers=peers, rounds=rounds)
         summary.update(wall_s=time.perf_counter() - t0, interrupted=interrupted, failed_peers=failed)
         if plot is not None:
-            drawn = folder / "plot.png"  # drawn whole, then moved into place atomically
-            write_swarm_plot(drawn, rows)
-            if drawn.exists():
-                atomic_write_bytes(plot, drawn.read_bytes())
+            write_swarm_plot(plot, rows)  # atomically: a reader sees the old figure or the new one
             summary["plot"] = str(plot)
         if keep is not None:
             _keep(folder, keep)
@@ -312,6 +311,8 @@ def run_pipeline_swarm(
     peer_args: tuple[str, ...] = (),
     spawn: Callable[..., subprocess.Popen] | None = None,
     host_maddr: Callable[[int], str] | None = None,
+    eval_every: int = 1,
+    plot: Path | None = None,
 ) -> dict[str, Any]:
     """Run S x R peers to the end of ``spec.train.steps``; optionally kill one stage-1 replica at a step
     and start a ``--stage auto`` joiner at another (resilience). ``bootstrap_file`` receives the first
@@ -319,7 +320,8 @@ def run_pipeline_swarm(
 
     ``spawn(i, argv, **popen_kw)`` starts peer ``i`` (default: a local process in its own session; the
     link bench starts each in its network namespace) and ``host_maddr(i)`` is its ``--host-maddrs``
-    (default: loopback, any port)."""
+    (default: loopback, any port). Each peer gets ``--eval-every eval_every``; ``plot`` receives the
+    run's figure (stage 0's loss: :mod:`locomm.cli.plot`)."""
     console = Console(stderr=True)
     spec = spec.replace("pipeline", stages=stages)
     n = stages * replicas
@@ -332,6 +334,7 @@ def run_pipeline_swarm(
         def start(stage: str, initial: str | None) -> None:
             i = len(group.procs)
             args = ["--stage", stage, "--shard", f"{i % replicas}/{replicas}", "--wait-for-peers", str(n), "-q"]
+            args += ["--eval-every", str(eval_every)]
             args += [*peer_args, *(["--host-maddrs", host_maddr(i)] if host_maddr is not None else [])]
             args += ["--announce-file", str(folder / f"peer{i}.addr")] + (
                 ["--initial-peers", initial] if initial else []
@@ -379,6 +382,9 @@ def run_pipeline_swarm(
         summary.update(
             killed_peers=killed, failed_peers=failed, interrupted=interrupted, wall_s=time.perf_counter() - t0
         )
+        if plot is not None:
+            write_swarm_plot(plot, rows)
+            summary["plot"] = str(plot)
         if keep is not None:
             _keep(folder, keep)
     if not quiet:

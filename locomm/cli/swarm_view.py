@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from locomm.cli.plot import from_events, write_figure
 from locomm.config import RunSpec
 
 
@@ -266,28 +267,10 @@ def pipeline_summary(rows: list[dict[str, Any]], spec: RunSpec, *, stages: int, 
 
 
 def write_swarm_plot(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Each data-parallel peer's train and validation loss against the round (PNG; skipped without matplotlib)."""
+    """The run's figure from the rows of :func:`peer_rows` or :func:`stage_rows`, written atomically: the
+    figure of `locomm-peer plot` (:mod:`locomm.cli.plot`), each peer labelled by its index."""
     try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib  # noqa: F401, PLC0415 - a dependency, but the swarm's results matter more
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in rows:
-        pts = [(e["round"], e["loss"]) for e in r["events"] if e["event"] == "round"]
-        if pts:
-            ax.plot(*zip(*pts), marker=".", label=f"peer {r['peer']} train")
-        vals = [(e["round"], e["val_loss"]) for e in r["events"] if e["event"] in ("eval",)]
-        fin = [e for e in r["events"] if e["event"] == "finished"]
-        if vals and fin:
-            vals.append((fin[0]["rounds_completed"], fin[0]["final_loss"]))
-            ax.plot(*zip(*vals), linestyle="--", marker="o", label=f"peer {r['peer']} val")
-    ax.set_xlabel("round")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    write_figure(path, from_events([(f"peer{r['peer']}", r["events"]) for r in rows]))

@@ -41,7 +41,7 @@ from locomm.atomic import atomic_path as atomic_path  # re-exported (local_swarm
 from locomm.atomic import atomic_write_bytes as atomic_write_bytes
 from locomm.atomic import atomic_write_text as atomic_write_text
 from locomm.atomic import fsync_dir as _fsync_dir
-from locomm.config import ConfigError
+from locomm.config import ConfigError, RunSpec
 
 log = logging.getLogger(__name__)
 CHECKPOINT_NAME = "checkpoint.safetensors"
@@ -253,3 +253,41 @@ def open_checkpoint(
             f"this run {spec_hash[:12]}); use another --checkpoint-dir"
         )
     return ckpt, None
+
+
+SPEC_KEY = "spec_toml"
+"""``Checkpoint.extra`` key of the run spec's TOML (written by the peers since the volunteer wave), so a checkpoint
+folder alone restarts a stopped swarm (``join --resume-from``) or exports its model."""
+
+
+def checkpoint_spec(directory: Path, given: RunSpec | None = None, name: str = CHECKPOINT_NAME) -> RunSpec:
+    """The run spec ``directory``'s checkpoint was trained under: the TOML it carries (checked against its spec
+    hash), else ``given`` when its hash matches (a checkpoint of an older version carries none).
+
+    Raises:
+        CheckpointError: no readable checkpoint there, its spec is unreadable or does not match its hash, it
+            carries none and ``given`` is missing or of another spec.
+    """
+    path = Path(directory) / name
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no checkpoint ({name}) in that folder")
+    ckpt = load_checkpoint(path)
+    text = ckpt.extra.get(SPEC_KEY)
+    if isinstance(text, str):
+        try:
+            spec = RunSpec.from_toml(text)
+        except ConfigError as e:
+            raise CheckpointError(f"{path}: the run spec it carries does not parse: {e}") from None
+        if spec.hash() != ckpt.spec_hash:
+            raise CheckpointError(f"{path}: the run spec it carries does not match its spec hash")
+        if given is not None and given.hash() != spec.hash():
+            raise CheckpointError(
+                f"{path} was trained under another spec (hash {spec.hash()[:12]}) than --config "
+                f"(hash {given.hash()[:12]}); drop --config to take the checkpoint's"
+            )
+        return spec
+    if given is None:
+        raise CheckpointError(f"{path} carries no run spec (an older checkpoint): pass the run's --config")
+    if given.hash() != ckpt.spec_hash:
+        raise CheckpointError(f"{path} was written by another run spec than --config (hash {ckpt.spec_hash[:12]})")
+    return given

@@ -15,9 +15,11 @@ import click
 
 from locomm import __version__
 from locomm.cli.bootstrap import bootstrap
+from locomm.cli.control import pause, resume
 from locomm.cli.doctor import doctor
 from locomm.cli.local_commands import simulate, train
 from locomm.cli.options import PRESETS, emit_json, fail, load_spec
+from locomm.cli.plot import plot
 from locomm.cli.swarm_commands import join, status, swarm
 
 __all__ = [
@@ -31,6 +33,9 @@ __all__ = [
     "join",
     "load_spec",
     "main",
+    "pause",
+    "plot",
+    "resume",
     "simulate",
     "status",
     "swarm",
@@ -44,7 +49,7 @@ def cli() -> None:
     """locomm: train a language model across peers on consumer links."""
 
 
-for _command in (train, simulate, join, swarm, status, bootstrap, doctor):
+for _command in (train, simulate, join, swarm, status, bootstrap, doctor, pause, resume, plot):
     cli.add_command(_command)
 
 

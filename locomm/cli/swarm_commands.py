@@ -104,6 +104,20 @@ from locomm.config import ConfigError
     help="Pipeline mode: serve stage K of the model, or 'auto' (the stage with the fewest "
     "live replicas). The run spec needs pipeline.stages >= 2.",
 )
+@click.option(
+    "--max-memory",
+    type=float,
+    help="GB the inner step may use (default: the device's free memory); picks micro-batch and accumulation.",
+)
+@click.option("--plan", "plan_only", is_flag=True, help="Print the memory plan for --max-memory and exit.")
+@click.option("--max-upload-mbit", type=float, help="Cap this peer's upload (all streams and services).")
+@click.option("--max-download-mbit", type=float, help="Cap this peer's download (all streams and services).")
+@click.option("--eval-every", type=int, help="Rounds between validation evaluations (0: start and end only).")
+@click.option(
+    "--resume-from",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="Restart a stopped swarm from this checkpoint folder: its spec and round (and checkpoint here).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
 @click.option("-q", "--quiet", is_flag=True, help="No status line, per-round lines or summary (log lines stay).")
 @click.option("-v", "--verbose", count=True)
@@ -137,6 +151,12 @@ def join(
     attack: str | None,
     wait_for_peers: int,
     stage: str | None,
+    max_memory: float | None,
+    plan_only: bool,
+    max_upload_mbit: float | None,
+    max_download_mbit: float | None,
+    eval_every: int | None,
+    resume_from: Path | None,
     as_json: bool,
     quiet: bool,
     verbose: int,
@@ -163,11 +183,32 @@ def join(
         if checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every: must be >= 1, got {checkpoint_every}")
         swarm_key = check_swarm_key(swarm_key)
+        for name, v in (("memory", max_memory), ("upload-mbit", max_upload_mbit), ("download-mbit", max_download_mbit)):
+            if v is not None and not v > 0:
+                raise ConfigError(f"--max-{name}: must be > 0, got {v}")
+        if eval_every is not None and eval_every < 0:
+            raise ConfigError(f"--eval-every: must be >= 0, got {eval_every}")
+        if resume_from is not None:
+            if initial_peers:
+                raise ConfigError("--resume-from restarts a stopped swarm; to rejoin a running one, drop it")
+            from locomm.checkpoint import checkpoint_spec  # noqa: PLC0415 - imports torch
+
+            spec = checkpoint_spec(resume_from, spec if config else None)
+            checkpoint_dir = checkpoint_dir or resume_from
         if attack is not None:
             from locomm.protocol.attacks import ATTACKS  # noqa: PLC0415 - imports torch
 
             if attack not in ATTACKS:
                 raise ConfigError(f"--attack: one of {', '.join(ATTACKS)}; got {attack!r}")
+        if plan_only:
+            from locomm.train.plan import plan_memory  # noqa: PLC0415 - imports torch
+
+            plan = plan_memory(spec, device=device, max_memory_gb=max_memory)
+            if as_json:
+                emit_json(plan.as_json())
+            else:
+                click.echo(plan.describe())
+            return
     except ConfigError as e:
         fail(str(e))
     from locomm.cli.daemon import run_node  # noqa: PLC0415 - imports torch and hivemind
@@ -175,7 +216,7 @@ def join(
     summary = run_node(
         spec,
         initial_peers=initial_peers,
-        spec_from_user=bool(config),
+        spec_from_user=bool(config) or resume_from is not None,
         host_maddrs=host_maddrs,
         announce_maddrs=announce_maddrs,
         relay=not no_relay,
@@ -199,6 +240,11 @@ def join(
         until_round=until_round,
         attack=attack,
         wait_for_peers=wait_for_peers,
+        max_memory_gb=max_memory,
+        max_upload_mbit=max_upload_mbit,
+        max_download_mbit=max_download_mbit,
+        eval_every=eval_every,
+        resume_from=resume_from,
         verbose=verbose,
         quiet=quiet,
         **({"stage": stage} if stage is not None else {}),
@@ -237,6 +283,9 @@ def join(
 @click.option("--no-subspace", is_flag=True, help="With --pipeline: send activations uncompressed (comparison).")
 @click.option("--kill-at-step", type=int, hidden=True, help="With --pipeline: SIGKILL a stage-1 replica here.")
 @click.option("--join-auto-at-step", type=int, hidden=True, help="With --pipeline: start a --stage auto joiner.")
+@click.option(
+    "--eval-every", type=int, default=1, show_default=True, help="Rounds between validation evaluations (0: ends)."
+)
 @swarm_key_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
 def swarm(
@@ -252,12 +301,15 @@ def swarm(
     no_subspace: bool,
     kill_at_step: int | None,
     join_auto_at_step: int | None,
+    eval_every: int,
     swarm_key: Path | None,
     as_json: bool,
 ) -> None:
     """Start a local swarm of real peers on loopback and train it (a closed one with --swarm-key)."""
     try:
         key = check_swarm_key(swarm_key)
+        if eval_every < 0:
+            raise ConfigError(f"--eval-every: must be >= 0, got {eval_every}")
     except ConfigError as e:
         fail(str(e))
     peer_args = ("--swarm-key", str(key)) if key is not None else ()
@@ -283,6 +335,8 @@ def swarm(
             kill_at_step=kill_at_step,
             join_auto_at_step=join_auto_at_step,
             peer_args=peer_args,
+            eval_every=eval_every,
+            plot=plot,
         )
         if as_json:
             emit_json(summary)
@@ -302,7 +356,16 @@ def swarm(
         fail(str(e))
     from locomm.cli.local_swarm import run_swarm  # noqa: PLC0415
 
-    summary = run_swarm(spec, peers=peers, rounds=rounds, quiet=as_json, plot=plot, keep=keep, peer_args=peer_args)
+    summary = run_swarm(
+        spec,
+        peers=peers,
+        rounds=rounds,
+        quiet=as_json,
+        plot=plot,
+        keep=keep,
+        peer_args=peer_args,
+        eval_every=eval_every,
+    )
     if as_json:
         emit_json(summary)
     if summary["failed_peers"]:

@@ -1,4 +1,4 @@
-"""How a data-parallel node enters a running swarm and how it leaves one.
+"""How a data-parallel node enters a running swarm, how it leaves one, and how its volunteer pauses it.
 
 Entering (:func:`enter_swarm`): pick the round to join at, a little ahead of the swarm's (two thirds of the
 admitted peers reached it: one peer claiming round 10^9 cannot send us there), and download the state from
@@ -12,6 +12,12 @@ to that round any more); then we publish a final heartbeat
 marked ``finished``. Partners that read it skip us without waiting for a deadline (``Gossip.gone``), and
 nobody counts us as a member from our last round on (``membership.members_for_round``). A second signal
 (``Host.hurry``) stops the hand-over at once.
+
+Pausing (:func:`pause_here`, asked for through the control socket): at the next step boundary the pending
+exchange is finished and a heartbeat marked ``paused`` says nobody should wait for us from this round on (the
+members rule treats it as a goodbye); the node keeps serving its state and last payload. Resuming enters the
+swarm again as a joiner: partners never block on a paused peer, and the resumed one never trains on stale
+weights when the swarm moved on.
 """
 
 from __future__ import annotations
@@ -20,15 +26,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
+from locomm.peer.control import ControlError, ControlServer, control_path
 from locomm.peer.state import StateMismatch, expected_layout, state_tensors
 from locomm.protocol.membership import swarm_round
 
 if TYPE_CHECKING:
     from locomm.peer.node import Node
 
-__all__ = ["DONORS", "JOIN_MARGIN_ROUNDS", "STATE_ATTEMPTS", "enter_swarm", "leave_swarm", "partner_gone"]
+__all__ = [
+    "DONORS",
+    "JOIN_MARGIN_ROUNDS",
+    "STATE_ATTEMPTS",
+    "enter_swarm",
+    "leave_swarm",
+    "partner_gone",
+    "pause_here",
+    "start_control",
+]
 
 log = logging.getLogger(__name__)
 JOIN_MARGIN_ROUNDS = 2
@@ -36,6 +53,8 @@ STATE_ATTEMPTS = 5
 """Whole state downloads a joiner tries (2, 4, 8, 8 s apart) before it starts from the initial weights."""
 DONORS = 5
 """Peers a joiner asks for their state (the state most of them agree on wins; see peer/state.py)."""
+PAUSE_ANSWER_S = 20.0
+"""How long ``pause`` waits for the peer to reach a step boundary before it answers with the phase."""
 STOP_HANDOVER_S = 10.0
 """After Ctrl-C, how long a leaving peer serves its last payload to partners that have not had it yet."""
 
@@ -45,8 +64,10 @@ async def enter_swarm(node: Node, resumed: bool) -> None:
     host = node.host
     beats = [b for b in await host.read_beats() if b.peer != host.me]
     top = swarm_round(beats)
-    if all(not b.started for b in beats) and top == 0:
-        node.join_round = node.round  # nobody has trained yet: start together
+    if all(not b.started for b in beats) and (top == 0 or (resumed and top == node.round)):
+        # Nobody has trained yet (a new swarm, or a stopped one restarting from checkpoints of one round): start
+        # together.
+        node.join_round = node.round
         return
     # Join a little ahead of the swarm, so every peer counts us from the same round on: peers
     # that computed a round's membership before our heartbeat reached them never expect us in it.
@@ -103,7 +124,7 @@ def partner_gone(node: Node, peer: str, round_idx: int) -> bool:
     """``Gossip.gone``: whether ``peer`` left before ``round_idx`` (its final heartbeat, as last read). While
     we wait on a partner, the heartbeats are read again about once a second, so a goodbye is seen soon."""
     b = node.host.beats.get(peer)
-    if b is not None and b.finished and b.round <= round_idx:
+    if b is not None and (b.finished or b.paused) and b.round <= round_idx:
         return True
     node.host.refresh_soon()
     return False
@@ -146,3 +167,74 @@ async def leave_swarm(node: Node, handover_s: float, max_s: float) -> None:
     host.events.write("left", round=node.round, handover_s=handover, undelivered=sorted(waiting))
     if waiting:
         log.info("left after %.1f s; %d partner(s) never took our last payload", handover, len(waiting))
+
+
+# -- pause and resume (``locomm-peer pause`` / ``resume``, through ``peer/control.py``) -------------------
+
+
+async def start_control(node: Node) -> None:
+    """Serve the control socket in the checkpoint folder (none without one, or with ``opts.control`` off)."""
+    host = node.host
+    if not host.opts.control or host.opts.checkpoint_dir is None:
+        return
+    server = ControlServer(control_path(host.opts.checkpoint_dir), control_handlers(node))
+    await server.start()
+    host.spawn(server.serve())
+
+
+def control_handlers(node: Node) -> dict[str, Callable[[], Awaitable[dict[str, Any]]]]:
+    """``pause`` (answered once the peer is paused, or after PAUSE_ANSWER_S with its phase), ``resume``,
+    ``status``."""
+
+    def state() -> dict[str, Any]:
+        return {"paused": node.paused, "phase": node.phase, "round": node.round, "step": node.trainer.step}
+
+    async def pause() -> dict[str, Any]:
+        if node.left:
+            raise ControlError("the peer is leaving")
+        node.resume_wanted.clear()
+        node.pause_wanted.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(node.paused_now.wait(), PAUSE_ANSWER_S)
+        return state()
+
+    async def resume() -> dict[str, Any]:
+        node.pause_wanted.clear()
+        node.resume_wanted.set()
+        return state()
+
+    async def status() -> dict[str, Any]:
+        return state()
+
+    return {"pause": pause, "resume": resume, "status": status}
+
+
+async def pause_here(node: Node) -> None:
+    """Paused at a step boundary of round ``node.round`` (its pending exchange finished): say so in a heartbeat,
+    so nobody waits for us from this round on, keep serving state and our last payload, and wait for
+    ``resume`` (or a stop). On resume, enter the swarm again as a joiner does: a new join round a little ahead of
+    the swarm's, and the swarm's state when it moved past our round meanwhile (our own weights otherwise)."""
+    host = node.host
+    node.paused, node.phase = True, "paused"
+    await host.publish()
+    node.paused_now.set()
+    host.events.write("paused", round=node.round, step=node.trainer.step)
+    log.info("paused at round %d (locomm-peer resume to go on)", node.round)
+    t0 = time.monotonic()
+    stop = asyncio.ensure_future(host.stop.wait())
+    resume = asyncio.ensure_future(node.resume_wanted.wait())
+    try:
+        await asyncio.wait({stop, resume}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        resume.cancel()
+    node.paused_now.clear()
+    node.resume_wanted.clear()
+    if host.stop.is_set():  # leaving while paused: leave_swarm's final heartbeat follows
+        return
+    paused_at = node.round
+    top = swarm_round([b for b in await host.read_beats() if b.peer != host.me])
+    node.paused, node.phase = False, "training"
+    await enter_swarm(node, resumed=top <= paused_at)
+    host.events.write("resumed", round=node.round, paused_at=paused_at, paused_s=time.monotonic() - t0)
+    log.info("resumed at round %d (paused at %d)", node.round, paused_at)

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from locomm import __version__
-from locomm.checkpoint import save_tensors_atomic
+from locomm.checkpoint import SPEC_KEY, save_tensors_atomic
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.host import Host
-from locomm.peer.lifecycle import enter_swarm, leave_swarm, partner_gone
+from locomm.peer.lifecycle import enter_swarm, leave_swarm, partner_gone, pause_here, start_control
 from locomm.peer.options import NodeOptions, SpecMismatch
 from locomm.peer.partners import Partners, note_screening
 from locomm.peer.state import Snapshot, StateServer, load_state, state_tensors
@@ -71,7 +71,9 @@ class Node:
         self.avg_bytes = 0
         self.last_loss = self.val_loss = float("nan")
         self.tokens_per_s = self.wait_s = 0.0
-        self.started = self.left = False
+        self.started = self.left = self.paused = False
+        self.pause_wanted, self.resume_wanted, self.paused_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.step_in_round = 0
         self.summary: dict[str, Any] = {}
 
     # -- helpers -----------------------------------------------------------------------
@@ -129,7 +131,8 @@ class Node:
 
     def _checkpoint(self) -> None:
         if self.opts.checkpoint_dir is not None:
-            self.trainer.save(self.opts.checkpoint_dir, aux=self.algo.state_dict(), extra={"round": self.round})
+            extra = {"round": self.round, SPEC_KEY: self.spec.to_toml()}
+            self.trainer.save(self.opts.checkpoint_dir, aux=self.algo.state_dict(), extra=extra)
 
     def _snapshot(self, round_idx: int) -> None:
         # A joiner downloads the last outer point (phi) and the outer state.
@@ -149,6 +152,8 @@ class Node:
             join_round=self.join_round,
             started=self.started,
             finished=self.left,
+            paused=self.paused,
+            eta_s=self._eta_s(),
             last_exchange=g.last_exchange,
             version=__version__,
             maddrs=tuple(str(m) for m in h.maddrs),
@@ -162,6 +167,13 @@ class Node:
             faults=h.faults.total,
             banned=len(h.faults.banned),
         )
+
+    def _eta_s(self) -> float | None:
+        """Seconds left of this round's inner steps at our pace (None when not training or not yet timed)."""
+        if self.phase != "training" or not self.round_s:
+            return None
+        H = self.spec.outer.inner_steps
+        return max(0.0, (H - self.step_in_round) * self.round_s / H)
 
     def _counters(self) -> dict[str, Any]:
         """What the live display, the round event and the metrics share."""
@@ -223,6 +235,7 @@ class Node:
         resumed = await host.compute(self._resume)
         await warm
         host.heartbeat = self.heartbeat
+        await start_control(self)
         if self.opts.initial_peers:
             await enter_swarm(self, resumed)
         await host.compute(self._snapshot, self.round)
@@ -242,8 +255,7 @@ class Node:
 
             await host.wait_for(admitted, 60.0, f"{n} admitted peers")
         self.started = True
-        initial_val = self.val_loss = await host.compute(self.trainer.evaluate)
-        host.events.write("eval", round=self.round, val_loss=initial_val)
+        initial_val = await self._evaluate()
         # --rounds counts the rounds this process trains; otherwise run to the end of the spec's schedule.
         schedule_end = math.ceil(self.spec.train.steps / self.spec.outer.inner_steps)
         end_round = self.round + self.opts.rounds if self.opts.rounds is not None else schedule_end
@@ -252,7 +264,7 @@ class Node:
         await self._train(end_round)
         net = self.spec.network  # a partner a round behind takes our last payload up to a round later
         await leave_swarm(self, max(net.request_timeout_s, self.round_s), net.max_wait_s)
-        final_val = self.val_loss = math.nan if host.hurry.is_set() else await host.compute(self.trainer.evaluate)
+        final_val = math.nan if host.hurry.is_set() else await self._evaluate()
         await host.compute(self._checkpoint)
         if self.opts.final_weights and not host.stop.is_set():
             await host.compute(save_tensors_atomic, self.opts.final_weights, self.algo.phi)
@@ -260,6 +272,12 @@ class Node:
         host.events.write("finished", **self.summary)
         host.report("finish", self.summary)
         return self.summary
+
+    async def _evaluate(self) -> float:
+        """Validation loss now, logged as an ``eval`` event (what ``locomm-peer plot`` draws)."""
+        self.val_loss = await self.host.compute(self.trainer.evaluate)
+        self.host.events.write("eval", round=self.round, step=self.trainer.step, val_loss=self.val_loss)
+        return self.val_loss
 
     async def _start_averager(self) -> None:
         from locomm.peer.averaging import start_averager  # noqa: PLC0415 - only the DiLoCo baseline
@@ -313,7 +331,9 @@ class Node:
 
     async def _train(self, end_round: int) -> None:
         host, H = self.host, self.spec.outer.inner_steps
-        eval_rounds = max(1, self.spec.train.eval_interval // H) if self.spec.train.eval_interval else 0
+        eval_rounds = self.opts.eval_every
+        if eval_rounds is None:
+            eval_rounds = max(1, self.spec.train.eval_interval // H) if self.spec.train.eval_interval else 0
         pending: asyncio.Task | None = None
         t_start = time.perf_counter()
         self.end_round = end_round
@@ -327,20 +347,25 @@ class Node:
             # The previous round's exchange runs meanwhile; it is applied exactly one round late whenever it
             # finished (protocol/rounds.py), so the numerics do not depend on the network's speed.
             for i in range(H):
+                self.step_in_round = i
                 if pending is not None and self.rounds.due(i):
                     await self._finish(pending)
                     pending = None
                 losses.append(await host.compute(self.trainer.train_step))
-                if host.stop.is_set():
+                if host.stop.is_set() or self.pause_wanted.is_set():
                     break
             self.last_loss = sum(losses) / len(losses)
             compute_s = time.perf_counter() - t0
             self.tokens_per_s = len(losses) * self.trainer.tokens_per_step / compute_s
-            self.round_s = ema(self.round_s, compute_s)
+            if len(losses) == H:  # a round cut short by a pause says nothing of our pace
+                self.round_s = ema(self.round_s, compute_s)
             await self._finish(pending)
             pending = None
             if host.stop.is_set():  # stopping: no new exchange; the last partial round stays local
                 break
+            if self.pause_wanted.is_set():  # paused: the partial round stays local; resuming re-enters the swarm
+                await pause_here(self)
+                continue
             # Bans are not applied here: every peer must derive the same groups; a banned or unreachable
             # partner is skipped at exchange time instead.
             members = members_for_round(
@@ -358,8 +383,8 @@ class Node:
                 await self._finish(pending)
                 pending = None
             self.round += 1
-            if eval_rounds and self.round % eval_rounds == 0:
-                self.val_loss = await host.compute(self.trainer.evaluate)
+            if eval_rounds and self.round % eval_rounds == 0 and self.round < end_round:
+                await self._evaluate()
             self._record_round(members, planned, compute_s, time.perf_counter() - t_start)
             if self.opts.checkpoint_every and self.round % self.opts.checkpoint_every == 0:
                 await host.compute(self._checkpoint)

@@ -72,7 +72,28 @@ class NodeOptions:
     """DiLoCo only: the TCP port of the averager's own p2pd (bound on the host addresses' IPs, and announced on
     the announce addresses' IPs when not 0; 0: any free port, announced as bound)."""
 
+    max_memory_gb: float | None = None
+    """The memory the inner step may use (``join --max-memory``); None: the device's free memory. It picks the
+    micro-batch, gradient accumulation, bf16 autocast and activation checkpointing (``locomm/train/plan.py``);
+    the numerics stay the run spec's."""
+    max_upload_mbit: float | None = None
+    """Cap on this peer's upload over every locomm stream and service (a token bucket in the exchange layer)."""
+    max_download_mbit: float | None = None
+    """Cap on this peer's download, the same way."""
+    eval_every: int | None = None
+    """Rounds between validation evaluations (0: only at start and end); None: from spec.train.eval_interval."""
+    resume_from: Path | None = None
+    """Restart a stopped swarm from this checkpoint folder: publish the run spec it was trained under and
+    continue from its round (``join --resume-from``)."""
+    control: bool = True
+    """Serve ``locomm-peer pause``/``resume`` on a local socket next to the checkpoint folder (owner only)."""
+
     def __post_init__(self) -> None:
+        for name in ("max_upload_mbit", "max_download_mbit", "max_memory_gb"):
+            if (v := getattr(self, name)) is not None and not v > 0:
+                raise ConfigError(f"{name}: must be > 0, got {v}")
+        if self.eval_every is not None and self.eval_every < 0:
+            raise ConfigError(f"eval_every: must be >= 0, got {self.eval_every}")
         if self.reachability not in (None, "public", "private"):
             raise ConfigError(f"reachability: 'public', 'private' or None, got {self.reachability!r}")
         if self.relays and not (self.relay and self.auto_relay):

@@ -29,6 +29,7 @@ import torch
 
 from locomm.checkpoint import (
     CHECKPOINT_NAME,
+    SPEC_KEY,
     Checkpoint,
     CheckpointError,
     load_model_tensors,
@@ -69,6 +70,7 @@ def capture_stage(
     state = {i: {k: _cpu_copy(v) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in opt["state"].items()}
     groups = [{k: list(v) if k == "params" else v for k, v in g.items()} for g in opt["param_groups"]]
     extra: dict[str, Any] = {"stage": worker.stage, "stages": spec.pipeline.stages, "clock": clock}
+    extra[SPEC_KEY] = spec.to_toml()
     if sampler is not None:
         extra["sampler"] = sampler.state()
     return Checkpoint(

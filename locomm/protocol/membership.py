@@ -102,6 +102,8 @@ _PARSE = {
     "avg_maddrs": _addrs,
     "started": _bool,
     "finished": _bool,
+    "paused": _bool,
+    "eta_s": _opt_float,
     "loss": _opt_float,
     "val_loss": _opt_float,
     "tokens_per_s": _nonneg,
@@ -142,6 +144,11 @@ class Heartbeat:
     started: bool = False
     finished: bool = False
     """It left: its final heartbeat (data-parallel: a member of no round from ``round`` on)."""
+    paused: bool = False
+    """Its volunteer paused it (``locomm-peer pause``): it serves its state but trains no round from ``round``
+    on, so nobody waits for it; on resume it announces a new ``join_round``, as a joiner does."""
+    eta_s: float | None = None
+    """Seconds until this peer expects to finish its current round's inner steps (None: not training)."""
     loss: float | None = None
     val_loss: float | None = None
     tokens_per_s: float = 0.0
@@ -237,9 +244,9 @@ def members_for_round(
     ``fresh_s`` at ``now`` (a live peer that is merely slow stays in). A peer that died drops out when both
     fail: its frozen round counter is content every peer reads alike, so where rounds are longer than the
     heartbeat TTL (any real run) it drops out for everyone at the same round, whenever each one reads.
-    A peer that left (``finished``, its final heartbeat) is a member of no round from its last published one
-    on: it exchanged up to the round before. ``me`` is always included (a peer not yet admitted trains alone,
-    and nobody expects it).
+    A peer that left (``finished``, its final heartbeat) or was paused is a member of no round from its last
+    published one on: it exchanged up to the round before. ``me`` is always included (a peer not yet admitted
+    trains alone, and nobody expects it).
     """
     beats = list(beats)
     admitted = admission_rounds(beats)
@@ -247,7 +254,7 @@ def members_for_round(
         h.peer
         for h in beats
         if admitted.get(h.peer, NOT_ADMITTED) <= round_idx
-        and not (h.finished and h.round <= round_idx)
+        and not ((h.finished or h.paused) and h.round <= round_idx)
         and (h.round >= round_idx - MEMBER_LAG_ROUNDS or now - h.time < fresh_s)
     }
     members.add(me)

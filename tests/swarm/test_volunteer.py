@@ -1,0 +1,136 @@
+"""Swarm tests of a volunteer's controls: pause and resume a peer in a running swarm, and restart a whole swarm
+from its peers' checkpoints after every peer stopped. Real `locomm-peer join` processes on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from locomm.config import RunSpec
+from locomm.testing.launcher import Launcher, PeerProcess
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def spec_file(tmp: Path, steps: int = 400) -> Path:
+    spec = (
+        RunSpec.preset("nano")
+        .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
+        .replace("outer", algo="noloco", inner_steps=10)
+        .replace("train", steps=steps, eval_batches=2, eval_interval=0)
+        .replace(
+            "network",
+            request_timeout_s=6.0,
+            stall_timeout_s=3.0,
+            heartbeat_interval_s=1.0,
+            heartbeat_ttl_s=4.0,
+        )
+    )
+    path = tmp / "run.toml"
+    spec.save(path)
+    return path
+
+
+def wait_until(cond, timeout: float, what: str, peers=()) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        for p in peers:
+            assert p.poll() is None or p.returncode == 0, p.tail()
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def control(cmd: str, checkpoint_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "locomm.cli.main", cmd, "--checkpoint-dir", str(checkpoint_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def wait_per_round(peer: PeerProcess, lo: int, hi: int) -> list[float]:
+    """The seconds ``peer`` waited on exchanges in each round in [lo, hi) (round events carry the running sum)."""
+    total = {e["round"]: e["wait_s"] for e in peer.events("round")}
+    return [total[r] - total[r - 1] for r in range(lo, hi) if r in total and r - 1 in total]
+
+
+def test_pause_and_resume(tmp_path, launcher):
+    """A paused peer stops training, says so, and nobody waits for it; resumed, it enters again and finishes."""
+    cfg = spec_file(tmp_path)
+    dirs = [tmp_path / f"c{i}" for i in range(3)]
+    end = ("--until-round", "24", "--wait-for-peers", "3", "--eval-every", "0")
+    peers = [launcher.start("p0", *end, "--checkpoint-dir", str(dirs[0]), "--shard", "0/3", config=cfg)]
+    boot = peers[0].address()
+    for i in (1, 2):
+        args = (*end, "--checkpoint-dir", str(dirs[i]), "--shard", f"{i}/3")
+        peers.append(launcher.start(f"p{i}", *args, config=cfg, initial_peers=boot))
+    wait_until(lambda: min(p.round() for p in peers) >= 3, 180, "3 peers reach round 3", peers)
+
+    bad = control("pause", tmp_path / "nowhere")
+    assert bad.returncode == 2 and "no running peer" in bad.stderr
+    out = control("pause", dirs[2])
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: peers[2].events("paused"), 60, "p2 pauses", peers)
+    paused_at = peers[2].events("paused")[0]["round"]
+    # While it is paused the other two go on without it: 4 rounds, and p2 trains none of them.
+    start = max(p.round() for p in peers[:2])
+    wait_until(lambda: min(p.round() for p in peers[:2]) >= start + 4, 120, "the others go on", peers)
+    assert peers[2].round() <= paused_at
+    # Rounds that began after the pause was published: no partner waited on p2 (no round waited for a deadline).
+    for p in peers[:2]:
+        waits = wait_per_round(p, start + 2, start + 4)
+        assert waits and max(waits) < 3.0, (p.name, waits)
+        late = [e for e in p.events("round") if e["round"] > start + 1]
+        assert late and all(peers[2].events("started")[0]["peer"] not in e["member_ids"] for e in late), late
+
+    out = control("resume", dirs[2])
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: peers[2].events("resumed"), 60, "p2 resumes", peers)
+    resumed = peers[2].events("resumed")[0]
+    assert resumed["round"] > paused_at  # it entered again ahead of the swarm, with the swarm's state
+    assert peers[2].events("synced"), "a peer resumed rounds behind takes the swarm's state"
+    for p in peers:
+        assert p.wait(timeout=240) == 0, p.tail()
+    assert peers[2].events("finished")[0]["rounds_completed"] == 24
+    assert not (dirs[2] / "control.sock").exists()  # the socket goes with the peer
+
+
+def test_swarm_restarts_from_checkpoints(tmp_path):
+    """3 peers train to round 4 and all stop; 2 restart from their checkpoints (the first with --resume-from and
+    no spec): the round counter continues and the loss continues from where it was, not from scratch."""
+    cfg = spec_file(tmp_path)
+    dirs = [tmp_path / f"c{i}" for i in range(3)]
+    with Launcher(tmp_path / "first", grace_s=5.0) as first:
+        end = ("--until-round", "4", "--wait-for-peers", "3", "--eval-every", "0")
+        peers = [first.start("p0", *end, "--checkpoint-dir", str(dirs[0]), "--shard", "0/3", config=cfg)]
+        boot = peers[0].address()
+        for i in (1, 2):
+            args = (*end, "--checkpoint-dir", str(dirs[i]), "--shard", f"{i}/3")
+            peers.append(first.start(f"p{i}", *args, config=cfg, initial_peers=boot))
+        for p in peers:
+            assert p.wait(timeout=240) == 0, p.tail()
+    stopped = {p.name: p.events("finished")[0] for p in peers}
+    assert all(f["rounds_completed"] == 4 for f in stopped.values())
+
+    with Launcher(tmp_path / "again", grace_s=5.0) as again:
+        end = ("--until-round", "7", "--eval-every", "0")
+        a = again.start("p0", *end, "--resume-from", str(dirs[0]), "--wait-for-peers", "2")
+        b = again.start(
+            "p1", *end, "--checkpoint-dir", str(dirs[1]), "--wait-for-peers", "2", initial_peers=a.address()
+        )
+        for p in (a, b):
+            assert p.wait(timeout=240) == 0, p.tail()
+    for p, before in ((a, stopped["p0"]), (b, stopped["p1"])):
+        up, fin = p.events("started")[0], p.events("finished")[0]
+        assert up["resumed"] and up["round"] == 4, up  # both continue at the stopped round, together
+        # The first evaluation after the restart is the one before the stop, within 2%.
+        assert abs(fin["initial_loss"] - before["final_loss"]) <= 0.02 * before["final_loss"], (fin, before)
+        assert fin["final_loss"] < before["final_loss"]
+        assert fin["rounds_completed"] == 7 and fin["exchanges_ok"] > 0

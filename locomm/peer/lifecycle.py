@@ -26,14 +26,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from locomm.peer.control import ControlError, ControlServer, control_path
+from locomm.peer.control import ControlError, ControlServer, Handler, control_path
 from locomm.peer.state import StateMismatch, expected_layout, state_tensors
 from locomm.protocol.membership import swarm_round
 
 if TYPE_CHECKING:
+    from locomm.peer.host import Host
     from locomm.peer.node import Node
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "leave_swarm",
     "partner_gone",
     "pause_here",
+    "stage_handlers",
     "start_control",
 ]
 
@@ -172,17 +174,31 @@ async def leave_swarm(node: Node, handover_s: float, max_s: float) -> None:
 # -- pause and resume (``locomm-peer pause`` / ``resume``, through ``peer/control.py``) -------------------
 
 
-async def start_control(node: Node) -> None:
+async def start_control(host: Host, handlers: Mapping[str, Handler]) -> None:
     """Serve the control socket in the checkpoint folder (none without one, or with ``opts.control`` off)."""
-    host = node.host
     if not host.opts.control or host.opts.checkpoint_dir is None:
         return
-    server = ControlServer(control_path(host.opts.checkpoint_dir), control_handlers(node))
+    server = ControlServer(control_path(host.opts.checkpoint_dir), handlers)
     await server.start()
     host.spawn(server.serve())
 
 
-def control_handlers(node: Node) -> dict[str, Callable[[], Awaitable[dict[str, Any]]]]:
+def stage_handlers(state: Callable[[], dict[str, Any]]) -> dict[str, Handler]:
+    """A pipeline stage's controls: ``status``; ``pause`` and ``resume`` are refused, saying why."""
+
+    async def status() -> dict[str, Any]:
+        return state()
+
+    async def refuse() -> dict[str, Any]:
+        raise ControlError(
+            "pausing a pipeline stage is not built yet (its routes would need to skip it): stop the peer "
+            "(Ctrl-C) and start it again with the same --checkpoint-dir"
+        )
+
+    return {"status": status, "pause": refuse, "resume": refuse}
+
+
+def control_handlers(node: Node) -> dict[str, Handler]:
     """``pause`` (answered once the peer is paused, or after PAUSE_ANSWER_S with its phase), ``resume``,
     ``status``."""
 

@@ -32,7 +32,14 @@ from locomm.checkpoint import SPEC_KEY, save_tensors_atomic
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.host import Host
-from locomm.peer.lifecycle import enter_swarm, leave_swarm, partner_gone, pause_here, start_control
+from locomm.peer.lifecycle import (
+    control_handlers,
+    enter_swarm,
+    leave_swarm,
+    partner_gone,
+    pause_here,
+    start_control,
+)
 from locomm.peer.options import NodeOptions, SpecMismatch
 from locomm.peer.partners import Partners, note_screening
 from locomm.peer.state import Snapshot, StateServer, load_state, state_tensors
@@ -235,7 +242,7 @@ class Node:
         resumed = await host.compute(self._resume)
         await warm
         host.heartbeat = self.heartbeat
-        await start_control(self)
+        await start_control(host, control_handlers(self))
         if self.opts.initial_peers:
             await enter_swarm(self, resumed)
         await host.compute(self._snapshot, self.round)

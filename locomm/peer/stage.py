@@ -36,9 +36,10 @@ from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
 from locomm.peer.host import Host, NodeOptions
+from locomm.peer.lifecycle import stage_handlers, start_control
 from locomm.peer.partners import note_screening
 from locomm.peer.stage_checkpoint import StageCheckpoints
-from locomm.peer.stage_service import Lost, StageService, eval_mid
+from locomm.peer.stage_service import Lost, StageService, eval_mid, stage_summary
 from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
@@ -166,6 +167,7 @@ class Stage:
         await host.serve(self.svc.service(), self.gossip.service(), self.state_server.service())
         host.heartbeat = self.heartbeat
         await host.publish()
+        await start_control(host, stage_handlers(lambda: {"stage": self.stage, "step": self.worker.step}))
         if self.opts.initial_peers:
             await self._join_stage()
         await host.compute(self._snapshot, self.round)
@@ -177,12 +179,10 @@ class Stage:
         await host.publish()
         initial = final = float("nan")
         if self.stage == 0:
-            initial = self.val_loss = await self.evaluate()
-            host.events.write("eval", step=self.worker.step, val_loss=initial)
+            initial = await self._evaluate()
             await self._train_stage0()
             await self._settle_last(grace_s=spec.network.stall_timeout_s)
-            final = self.val_loss = await self.evaluate()
-            host.events.write("eval", step=self.worker.step, val_loss=final)
+            final = await self._evaluate()
         else:
             await self._serve_until_done()
             await self._settle_last(grace_s=5.0)  # a sibling that took fewer micro-batches may never get here
@@ -193,7 +193,7 @@ class Stage:
         if self.opts.final_weights and not host.stop.is_set():
             weights = {k: v.detach().contiguous() for k, v in self.params().items()}
             await host.compute(save_tensors_atomic, self.opts.final_weights, weights)
-        self.summary = self._summary(initial, final)
+        self.summary = stage_summary(self, initial, final)
         host.events.write("finished", **self.summary)
         return self.summary
 
@@ -307,6 +307,14 @@ class Stage:
             r = self._due_round()
             if r is not None:
                 await self._sync(r)
+                every = self.opts.eval_every
+                if every and self.round % every == 0 and self.worker.step < self.spec.train.steps:
+                    await self._evaluate()
+
+    async def _evaluate(self) -> float:
+        self.val_loss = await self.evaluate()
+        self.host.events.write("eval", step=self.worker.step, round=self.round, val_loss=self.val_loss)
+        return self.val_loss
 
     async def evaluate(self) -> float:
         """Validation loss through the pipeline (stage 0 only): forward-only micro-batches."""
@@ -413,37 +421,6 @@ class Stage:
             note_screening(self.host, planned.round_idx, outcome)
         self._snapshot(planned.round_idx)
         self.worker.module.project_()
-
-    def _summary(self, initial: float, final: float) -> dict[str, Any]:
-        t_end = time.time()
-        svc, h, g = self.svc, self.host, self.gossip.stats
-        log_ = list(svc.stage_log)
-        t0 = log_[0][0] if log_ else t_end
-        tokens = svc.boundary_bytes
-        return {
-            "peer": h.me,
-            "stage": self.stage,
-            "initial_loss": initial,
-            "final_loss": final,
-            "steps": self.worker.step,
-            "microbatches": svc.microbatches,
-            "microbatches_lost": svc.lost,
-            "microbatches_rerouted": svc.rerouted,
-            "bytes_fwd": tokens["fwd"],
-            "bytes_tokens": tokens["tokens"],
-            "bytes_bwd": tokens["bwd"],
-            "tokens_served": svc.microbatches * self.spec.pipeline.micro_batch_size * self.spec.data.seq_len,
-            "tokens_forwarded": svc.tokens_forwarded,
-            "compute_intervals": [(round(a, 4), round(b, 4), k) for a, b, k in log_ if k != "eval"],
-            "busy_s": sum(b - a for a, b, k in log_ if k != "eval"),
-            "span_s": t_end - t0,
-            "last_loss": _finite(self.last_loss),
-            "faults": h.faults.total,
-            "errors_answered": dict(h.rpc.stats.errors_answered),
-            "exchanges_ok": g.exchanges_ok,
-            "exchanges_failed": g.exchanges_failed,
-            "interrupted": h.stop.is_set() and not self.finished,
-        }
 
 
 def _finite(x: float) -> float | None:

@@ -367,3 +367,36 @@ def eval_last(w: StageWorker, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor 
     loss = float(StageModule.loss(w.module(x.to(w.device), h.to(w.device)), y.to(w.device)))
     w.module.train()
     return loss
+
+
+def stage_summary(self: Any, initial: float, final: float) -> dict[str, Any]:
+    """A stage replica's summary at exit (its ``finished`` event and ``--json`` line)."""
+    t_end = time.time()
+    svc, h, g = self.svc, self.host, self.gossip.stats
+    log_ = list(svc.stage_log)
+    t0 = log_[0][0] if log_ else t_end
+    tokens = svc.boundary_bytes
+    return {
+        "peer": h.me,
+        "stage": self.stage,
+        "initial_loss": initial,
+        "final_loss": final,
+        "steps": self.worker.step,
+        "microbatches": svc.microbatches,
+        "microbatches_lost": svc.lost,
+        "microbatches_rerouted": svc.rerouted,
+        "bytes_fwd": tokens["fwd"],
+        "bytes_tokens": tokens["tokens"],
+        "bytes_bwd": tokens["bwd"],
+        "tokens_served": svc.microbatches * self.spec.pipeline.micro_batch_size * self.spec.data.seq_len,
+        "tokens_forwarded": svc.tokens_forwarded,
+        "compute_intervals": [(round(a, 4), round(b, 4), k) for a, b, k in log_ if k != "eval"],
+        "busy_s": sum(b - a for a, b, k in log_ if k != "eval"),
+        "span_s": t_end - t0,
+        "last_loss": self.last_loss if math.isfinite(self.last_loss) else None,
+        "faults": h.faults.total,
+        "errors_answered": dict(h.rpc.stats.errors_answered),
+        "exchanges_ok": g.exchanges_ok,
+        "exchanges_failed": g.exchanges_failed,
+        "interrupted": h.stop.is_set() and not self.finished,
+    }

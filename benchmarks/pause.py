@@ -1,0 +1,194 @@
+"""Pause and resume in a swarm of real peers on shaped namespace links: does anyone wait for a paused peer?
+
+Two runs of the same spec, each peer in its own network namespace (locomm/testing/netlab.py, tc tbf both ways):
+
+- ``paused``: 3 peers; when every peer has reached round ``--pause-at``, peer 2 is paused
+  (``locomm-peer pause --checkpoint-dir``, its control socket) and resumed ``--pause-rounds`` rounds of the
+  others later (``locomm-peer resume``);
+- ``two``: 2 peers, the same spec and shards 0/3 and 1/3 (the swarm the first two see while peer 2 is paused).
+
+Figures, per run: each of peers 0 and 1's ``wait_s`` per round (compute waiting on the network, the difference
+of consecutive ``round`` events' running sums) over the rounds from ``pause-at + 2`` (the pause is published and
+read) to the resume, their mean and max; for ``paused``, also the rounds right after the pause (where a partner
+may still have planned peer 2), peer 2's paused/resumed events and whether it took the swarm's state on resume.
+The must-show: the mean wait per round while peer 2 is paused is no higher than in the 2-peer run.
+
+    sudo python benchmarks/pause.py                       # ~4 minutes on 2 cores
+    sudo python benchmarks/pause.py --rate 20mbit --config benchmarks/configs/links-nano.toml
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from locomm.config import RunSpec
+from locomm.testing import netlab
+from locomm.testing.launcher import Launcher
+
+import _harness
+
+REPO = _harness.REPO
+CONFIG = REPO / "benchmarks" / "configs" / "links-nano.toml"
+
+
+def control(cmd: str, directory: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "locomm.cli.main", cmd, "--checkpoint-dir", str(directory), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    return {"rc": out.returncode, **(json.loads(lines[-1]) if lines else {"stderr": out.stderr[-500:]})}
+
+
+def waits(events: list[dict[str, Any]]) -> dict[int, float]:
+    total = {e["round"]: e["wait_s"] for e in events if e.get("event") == "round"}
+    return {r: total[r] - total[r - 1] for r in sorted(total) if r - 1 in total}
+
+
+def run(args: Any, spec_path: Path, n: int, folder: Path) -> dict[str, Any]:
+    threads = str(max(1, (os.cpu_count() or 1) // n))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+    out: dict[str, Any] = {"peers": n}
+    t0 = time.perf_counter()
+    with netlab.Lab(grace_s=10.0) as lab, contextlib.ExitStack() as stack:
+        hosts = [lab.add_host(f"p{i}", rate=args.rate) for i in range(n)]
+        peers = stack.enter_context(
+            Launcher(folder, grace_s=10.0, stop_signal=signal.SIGINT, threads=None, env=env, cwd=REPO)
+        )
+        dirs = [folder / f"c{i}" for i in range(n)]
+        procs = []
+        for i in range(n):
+            initial = None if i == 0 else peers["peer0"].address(ip=hosts[0].ip)
+            procs.append(
+                peers.start(
+                    f"peer{i}",
+                    *("--until-round", str(args.rounds), "--shard", f"{i}/3", "--wait-for-peers", str(n)),
+                    *("--checkpoint-dir", str(dirs[i]), "--host-maddrs", f"/ip4/{hosts[i].ip}/tcp/0"),
+                    *("--eval-every", "0"),
+                    config=spec_path,
+                    initial_peers=initial,
+                    announce=i == 0,
+                    spawn=hosts[i].popen,
+                )
+            )
+        deadline = time.monotonic() + args.timeout
+
+        def wait_for(cond, what: str) -> None:
+            while not cond():
+                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{what}: " + "".join(p.tail(1500) for p in procs))
+                time.sleep(0.3)
+
+        if n == 3:
+            wait_for(lambda: min(p.round() for p in procs) >= args.pause_at, "all reach --pause-at")
+            out["pause"] = control("pause", dirs[2])
+            out["paused_wall_s"] = time.perf_counter() - t0
+            resume_at = max(p.round() for p in procs[:2]) + args.pause_rounds
+            wait_for(lambda: min(p.round() for p in procs[:2]) >= resume_at, "the others go on")
+            out["resume"] = control("resume", dirs[2])
+            out["resumed_wall_s"] = time.perf_counter() - t0
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                out["timed_out"] = True
+                break
+            time.sleep(0.5)
+        out["exit_codes"] = [p.poll() for p in procs]
+        out["events"] = {p.name: p.events() for p in procs}
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def figures(paused: dict[str, Any], two: dict[str, Any], pause_at: int) -> dict[str, Any]:
+    ev = paused["events"]
+    p2 = ev["peer2"]
+    pe = next((e for e in p2 if e["event"] == "paused"), None)
+    re_ = next((e for e in p2 if e["event"] == "resumed"), None)
+    out: dict[str, Any] = {"paused_event": pe, "resumed_event": re_, "window": {}}
+    while_paused, just_after, two_peers = [], [], []
+    for name in ("peer0", "peer1"):
+        w, w2 = waits(ev[name]), waits(two["events"][name])
+        rounds = [e for e in ev[name] if e["event"] == "round"]
+        # The rounds peer 2 was paused through: from two rounds after the one this peer was in when the pause
+        # was published (every peer has read it by then) to the one it was in at the resume.
+        at = lambda t: max((e["round"] for e in rounds if e["time"] <= t), default=0)  # noqa: E731
+        lo = at(pe["time"]) + 2 if pe else pause_at + 2
+        hi = at(re_["time"]) if re_ else lo
+        out["window"][name] = [lo, hi]
+        while_paused += [w[r] for r in range(lo, hi + 1) if r in w]
+        just_after += [w[r] for r in range(lo - 2, lo) if r in w]
+        two_peers += [w2[r] for r in range(lo, hi + 1) if r in w2]
+    for key, xs in (("while_paused", while_paused), ("just_after_pause", just_after), ("two_peers", two_peers)):
+        out[key] = {
+            "n": len(xs),
+            "mean_s": statistics.fmean(xs) if xs else None,
+            "max_s": max(xs) if xs else None,
+            "per_round_s": [round(x, 3) for x in xs],
+        }
+    out["synced_on_resume"] = any(e["event"] == "synced" for e in p2)
+    out["finished_rounds"] = {
+        name: next((e["rounds_completed"] for e in es if e["event"] == "finished"), None) for name, es in ev.items()
+    }
+    m, m2 = out["while_paused"]["mean_s"], out["two_peers"]["mean_s"]
+    out["no_higher_than_two_peers"] = None if m is None or m2 is None else m <= m2
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _harness.parser(__doc__, out="pause.json")
+    ap.add_argument("--config", type=Path, default=CONFIG)
+    ap.add_argument("--rate", default="80mbit", help="Every link's rate, up and down (none: unshaped)")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--inner-steps", type=int, help="Override the config's H")
+    ap.add_argument("--pause-at", type=int, default=5)
+    ap.add_argument("--pause-rounds", type=int, default=8, help="Rounds the others train while peer 2 is paused")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    ok, why = netlab.available()
+    if not ok:
+        print(f"pause: skipped: {why}", file=sys.stderr)
+        return 0
+    spec = RunSpec.load(args.config)
+    if args.inner_steps:
+        spec = spec.replace("outer", inner_steps=args.inner_steps)
+    spec = spec.replace("train", steps=max(spec.train.steps, args.rounds * spec.outer.inner_steps))
+    result: dict[str, Any] = {"config": str(args.config), "rate": args.rate, "rounds": args.rounds}
+    with tempfile.TemporaryDirectory(prefix="locomm-pause-") as tmp:
+        spec_path = Path(tmp) / "run.toml"
+        spec.save(spec_path)
+        paused = run(args, spec_path, 3, Path(tmp) / "paused")
+        two = run(args, spec_path, 2, Path(tmp) / "two")
+    result["figures"] = figures(paused, two, args.pause_at)
+    result["runs"] = {
+        "paused": {k: v for k, v in paused.items() if k != "events"},
+        "two": {k: v for k, v in two.items() if k != "events"},
+    }
+    result["rounds_events"] = {
+        run_name: {
+            name: [
+                {k: e.get(k) for k in ("round", "wait_s", "answered", "peers", "wall_s", "time")}
+                for e in es
+                if e["event"] == "round"
+            ]
+            for name, es in r["events"].items()
+        }
+        for run_name, r in (("paused", paused), ("two", two))
+    }
+    _harness.write_json(args.out, result)
+    print(json.dumps(result["figures"], indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

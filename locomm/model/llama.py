@@ -10,6 +10,9 @@ Notable:
   that builds the model from the same spec holds bit-identical weights.
 - Attention uses ``F.scaled_dot_product_attention`` (flash/memory-efficient
   kernels on CUDA); bf16 autocast is the caller's choice (see train.py).
+- ``model.checkpointing = True`` recomputes each block in backward
+  (``torch.utils.checkpoint``, non-reentrant): only the block inputs are kept, the
+  gradients are the same. It acts only in training mode with grad enabled.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from locomm.config import ModelConfig
 
@@ -114,6 +118,8 @@ class LlamaModel(nn.Module):
         cos, sin = rotary_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.checkpointing = False
+        """Activation checkpointing per block (see the module docstring); a local setting, not the spec's."""
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -136,8 +142,9 @@ class LlamaModel(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.embed(tokens)
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = checkpoint(layer, x, cos, sin, use_reentrant=False) if recompute else layer(x, cos, sin)
         return self.norm(x)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

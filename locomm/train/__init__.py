@@ -1,5 +1,10 @@
-"""The inner loop: the whole model (:class:`Trainer`) or one pipeline stage (:mod:`locomm.train.stage`)."""
+"""The inner loop: the whole model (:class:`Trainer`) or one pipeline stage (:mod:`locomm.train.stage`).
 
+:func:`plan_memory` (:mod:`locomm.train.plan`) fits the inner step to a memory budget; a :class:`MemoryPlan`
+passed to :class:`Trainer` or :class:`~locomm.train.stage.StageWorker` applies it.
+"""
+
+from locomm.train.plan import MemoryPlan, plan_memory
 from locomm.train.trainer import Trainer, TrainResult, resolve_device, train
 
-__all__ = ["TrainResult", "Trainer", "resolve_device", "train"]
+__all__ = ["MemoryPlan", "TrainResult", "Trainer", "plan_memory", "resolve_device", "train"]

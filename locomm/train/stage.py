@@ -13,15 +13,23 @@ change weights those graphs saved); :attr:`step_due` tells the caller to hold ne
 forwards back until then. Each step clips this stage's gradient norm (the global
 norm spans peers that never meet), sets the scheduled LR, steps the inner
 optimizer and re-projects W_o, W_2 and E_learn onto span(U).
+
+Memory plans (:mod:`locomm.train.plan`): a stage's micro-batch is the spec's
+``pipeline.micro_batch_size`` and it accumulates those itself, so a plan here
+sets only bf16 autocast (on CUDA); the stage modules are not checkpointed.
+Without a plan the stage runs in fp32, as before.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from locomm.config import RunSpec
 from locomm.model.stages import Geometry, StageModule, build_stage
 from locomm.optim import build_optimizer, cosine_with_warmup
+from locomm.train.plan import MemoryPlan
 
 
 class StageWorker:
@@ -35,8 +43,10 @@ class StageWorker:
         geo: Geometry | None = None,
         module: StageModule | None = None,
         device: str | torch.device = "cpu",
+        plan: MemoryPlan | None = None,
     ) -> None:
         self.spec = spec
+        self.plan = plan
         self.geo = geo or Geometry.of(spec)
         self.device = torch.device(device)
         self.module = (module or build_stage(spec, stage, self.geo)).to(self.device)
@@ -63,6 +73,12 @@ class StageWorker:
     def params(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_parameters())
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast when the plan asks for it on CUDA (the residual stream sent on stays fp32)."""
+        if self.plan is not None and self.plan.autocast and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _input(self, h_in: torch.Tensor | None) -> torch.Tensor | None:
         if self.first:
             return None
@@ -78,7 +94,8 @@ class StageWorker:
             raise KeyError(f"micro-batch {mb} is already in flight here")
         self.module.train()
         leaf = self._input(h_in)
-        out = self.module(tokens.to(self.device), leaf)
+        with self.autocast():
+            out = self.module(tokens.to(self.device), leaf)
         self.pending[mb] = (leaf, out)
         return out.detach()
 
@@ -97,7 +114,9 @@ class StageWorker:
         assert self.last
         self.module.train()
         leaf = self._input(h_in)
-        loss = StageModule.loss(self.module(tokens.to(self.device), leaf), targets.to(self.device))
+        with self.autocast():
+            logits = self.module(tokens.to(self.device), leaf)
+        loss = StageModule.loss(logits, targets.to(self.device))
         (loss / self.micro_per_step).backward()
         self.accumulated += 1
         self.micro_done += 1

@@ -5,7 +5,11 @@ Notable:
   sampler; ``train_step`` is the whole inner step and fits on one screen. Outer
   algorithms act on ``trainer.model`` between steps and never reach inside.
 - On CUDA the forward pass runs under bf16 autocast; the weights and optimizer
-  state stay fp32.
+  state stay fp32. A :class:`~locomm.train.plan.MemoryPlan` overrides that, and
+  sets the micro-batch, gradient accumulation and activation checkpointing: the
+  sampler still draws the whole batch, which is split into equal micro-batches
+  whose losses are scaled by 1 / accumulation, so the step's gradient is the
+  batch's mean gradient whatever the plan.
 - Evaluation uses a fixed set of validation windows, so numbers from different
   workers, runs and algorithms are comparable. Loss is in nats per byte (the
   tokenizer is byte-level, so per token = per byte).
@@ -37,6 +41,7 @@ from locomm.config import RunSpec
 from locomm.data import BatchSampler, TokenSplits, eval_batches, load_corpus
 from locomm.model import build_model
 from locomm.optim import build_optimizer, cosine_with_warmup
+from locomm.train.plan import MemoryPlan
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -63,12 +68,21 @@ class Trainer:
         worker_id: int = 0,
         num_workers: int = 1,
         stream: int | None = None,
+        plan: MemoryPlan | None = None,
     ) -> None:
+        if plan is not None and (plan.stage_mode or plan.micro_batch * plan.accumulation != spec.data.batch_size):
+            raise ValueError(
+                f"memory plan of {plan.accumulation} x {plan.micro_batch} sequences does not cover "
+                f"data.batch_size={spec.data.batch_size}"
+            )
         self.spec = spec
+        self.plan = plan
         self.device = torch.device(device)
+        self.accumulation = plan.accumulation if plan else 1
         self.splits = splits if splits is not None else load_corpus(spec.data)
         # Every worker starts from the same weights (the seed is the run's, not the worker's).
         self.model = build_model(spec.model, seed=spec.train.seed, device=self.device)
+        self.model.checkpointing = bool(plan and plan.checkpointing)
         self.optimizer = build_optimizer(self.model.parameters(), spec.inner)
         self.sampler = BatchSampler(
             self.splits, spec.data, seed=spec.train.seed, worker_id=worker_id, num_workers=num_workers, stream=stream
@@ -80,7 +94,8 @@ class Trainer:
         self.tokens_per_step = spec.data.batch_size * spec.data.seq_len
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.device.type == "cuda":
+        """bf16 autocast on CUDA (unless the plan turns it off); never on CPU."""
+        if self.device.type == "cuda" and (self.plan is None or self.plan.autocast):
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -89,16 +104,21 @@ class Trainer:
         return c.lr * cosine_with_warmup(step, c.warmup_steps, self.spec.train.steps, c.min_lr_ratio)
 
     def train_step(self) -> float:
-        """One inner step on the next batch; returns the training loss (nats/byte)."""
-        x, y = self.sampler.next()
+        """One inner step on the next batch; returns the training loss (nats/byte, the batch's mean)."""
+        x, y = self.sampler.next()  # the whole batch, as without a plan
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
-        with self.autocast():
-            loss = self.model(x, y)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        n = self.accumulation
+        total = torch.zeros((), device=self.device)
+        # Equal micro-batches of a per-token mean loss: the mean of their gradients is the batch's gradient.
+        for xs, ys in zip(x.chunk(n), y.chunk(n), strict=True):
+            with self.autocast():
+                loss = self.model(xs, ys)
+            (loss / n).backward()
+            total += loss.detach()
         self.apply_gradients()
-        return loss.item()
+        return (total / n).item()
 
     def apply_gradients(self) -> None:
         """Clip, set the scheduled LR and step the inner optimizer on the gradients in ``.grad``."""
@@ -115,9 +135,11 @@ class Trainer:
         """Mean validation loss in nats/byte over the fixed validation windows."""
         self.model.eval()
         total = 0.0
+        n = self.accumulation  # micro-batches of equal size: their mean is the batch's mean
         for x, y in self._val:
-            with self.autocast():
-                total += self.model(x.to(self.device), y.to(self.device)).item()
+            for xs, ys in zip(x.chunk(n), y.chunk(n), strict=True):
+                with self.autocast():
+                    total += self.model(xs.to(self.device), ys.to(self.device)).item() / n
         return total / len(self._val)
 
     # -- checkpoints ------------------------------------------------------------------
@@ -189,13 +211,14 @@ def train(
     checkpoint_dir: Path | None = None,
     on_step: Callable[[int, float, float], None] | None = None,
     on_eval: Callable[[int, float], None] | None = None,
+    plan: MemoryPlan | None = None,
 ) -> TrainResult:
     """Train one node for ``spec.train.steps`` inner steps, resuming from ``checkpoint_dir`` if it holds one.
 
     ``on_step(step, loss, tokens_per_s)`` and ``on_eval(step, val_loss)`` report progress. On
     KeyboardInterrupt the current state is checkpointed (when a dir is given) before re-raising.
     """
-    trainer = Trainer(spec, device=device)
+    trainer = Trainer(spec, device=device, plan=plan)
     resumed = trainer.step if checkpoint_dir and trainer.try_resume(checkpoint_dir) is not None else 0
     c = spec.train
     t0 = time.perf_counter()

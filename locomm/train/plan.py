@@ -21,7 +21,8 @@ Notable:
   foreach AdamW step adds one fp32 copy of the parameters while it runs (sqrt of the second moment).
 - Search order: the largest micro-batch dividing ``batch_size`` that fits in fp32 without checkpointing;
   else with bf16 autocast (CUDA only: on CPU autocast stays off); else with checkpointing too. Nothing fits
-  even at micro-batch 1: :class:`ConfigError` with what it needs and the budget.
+  even at micro-batch 1: :class:`ConfigError` with what it needs and the budget. ``prefer_autocast`` starts
+  with autocast on CUDA (faster; what the trainer does without a plan).
 - :data:`MARGIN` (10%) of the budget is kept free for the allocator's fragmentation, the CUDA context's
   own allocations, kernels' scratch and the data.
 - A pipeline spec (``pipeline.stages > 1``) plans one stage: its micro-batch is ``pipeline.micro_batch_size``
@@ -75,6 +76,8 @@ class MemoryPlan:
     activations_bytes: int
     """Saved activations plus backward workspace of one micro-batch (in pipeline mode: of the in-flight ones)."""
     seq_len: int
+    batch_size: int
+    """The spec's sequences per inner step."""
     optimizer: str
     stage_mode: bool = False
     """Planned for one pipeline stage (autocast only)."""
@@ -115,7 +118,11 @@ class MemoryPlan:
         per = "in flight" if self.stage_mode else "per micro-batch"
         rows += [("activations", f"{g(self.activations_bytes)} {per}"), ("estimated peak", g(self.est_peak_bytes))]
         if self.stage_mode:
-            rows.append(("pipeline", "one stage; micro-batch from pipeline.micro_batch_size, the stage accumulates"))
+            rows[1] = (
+                "micro-batch",
+                f"{self.micro_batch} x {self.seq_len} tokens (pipeline.micro_batch_size); the stage accumulates "
+                f"{self.batch_size // self.micro_batch} per step (batch {self.batch_size})",
+            )
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -218,8 +225,13 @@ def default_budget(device: torch.device) -> tuple[int, str]:
     raise ConfigError(f"--max-memory: no default budget for device {device}; pass --max-memory")
 
 
-def plan_memory(spec: RunSpec, *, device: str | torch.device, max_memory_gb: float | None = None) -> MemoryPlan:
+def plan_memory(
+    spec: RunSpec, *, device: str | torch.device, max_memory_gb: float | None = None, prefer_autocast: bool = False
+) -> MemoryPlan:
     """The plan that fits ``max_memory_gb`` GiB (default: the device's free memory) on ``device``.
+
+    ``prefer_autocast`` (CUDA): try bf16 autocast first (the trainer's behaviour without a plan) instead of
+    only where fp32 does not fit.
 
     Raises:
         ConfigError: the budget is not positive, or nothing fits even at micro-batch 1 with everything on.
@@ -234,13 +246,13 @@ def plan_memory(spec: RunSpec, *, device: str | torch.device, max_memory_gb: flo
     usable = budget * (1 - MARGIN)
     cuda = dev.type == "cuda"
     stage_mode = spec.pipeline.stages > 1
+    first = [(True, False)] if cuda and prefer_autocast else [(False, False)] + ([(True, False)] if cuda else [])
     if stage_mode:
-        sizes = [spec.pipeline.micro_batch_size]
-        tiers = [(False, False)] + ([(True, False)] if cuda else [])
+        sizes, tiers = [spec.pipeline.micro_batch_size], first
     else:
         b = spec.data.batch_size
         sizes = [m for m in range(b, 0, -1) if b % m == 0]
-        tiers = [(False, False)] + ([(True, False)] if cuda else []) + [(cuda, True)]
+        tiers = [*first, (cuda, True)]
     for autocast, ckpt in tiers:
         for m in sizes:
             est = estimate(spec, m, autocast=autocast, checkpointing=ckpt)
@@ -281,6 +293,7 @@ def _plan(
         cast_bytes=est["cast"],
         activations_bytes=est["activations"],
         seq_len=spec.data.seq_len,
+        batch_size=spec.data.batch_size,
         optimizer=optimizer_state(spec.inner.name, 0)[2],
         stage_mode=stage_mode,
         budget_source=source,

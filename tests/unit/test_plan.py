@@ -163,3 +163,10 @@ def test_pipeline_specs_plan_one_stage(nano_spec):
         Trainer(nano_spec, plan=p)
     with pytest.raises(ValueError, match="does not cover"):
         Trainer(nano_spec, plan=dataclasses.replace(_plan(nano_spec, 2), accumulation=2))
+
+
+def test_prefer_autocast_starts_with_bf16_on_cuda_only():
+    spec = RunSpec.preset("small")
+    assert not plan_memory(spec, device="cuda", max_memory_gb=24).autocast
+    assert plan_memory(spec, device="cuda", max_memory_gb=24, prefer_autocast=True).autocast
+    assert not plan_memory(spec, device="cpu", max_memory_gb=24, prefer_autocast=True).autocast

@@ -76,9 +76,11 @@ class MemoryPlan:
     activations_bytes: int
     """Saved activations plus backward workspace of one micro-batch (in pipeline mode: of the in-flight ones)."""
     seq_len: int
+    """The spec's tokens per sequence."""
     batch_size: int
     """The spec's sequences per inner step."""
     optimizer: str
+    """The inner optimizer and its state, in words."""
     stage_mode: bool = False
     """Planned for one pipeline stage (autocast only)."""
     budget_source: str = "--max-memory"
@@ -94,21 +96,24 @@ class MemoryPlan:
         def g(n: int) -> str:
             return f"{n / GIB:.2f} GiB" if n >= GIB // 2 else f"{n / 2**20:.1f} MiB"
 
-        on = {True: "on", False: "off"}
         ac = "bf16" if self.autocast else ("off (CPU: fp32)" if self.device.startswith("cpu") else "off (fp32)")
+        if self.stage_mode:
+            micro = (
+                f"{self.micro_batch} x {self.seq_len} tokens (pipeline.micro_batch_size); the stage accumulates "
+                f"{self.batch_size // self.micro_batch} per step (batch {self.batch_size})"
+            )
+        else:
+            micro = f"{self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulation}"
+            micro += f" (batch {self.batch_size})"
         rows = [
             (
                 "device",
                 f"{self.device}, budget {g(self.budget_bytes)} ({self.budget_source}), "
                 f"{MARGIN:.0%} kept free: {g(self.usable_bytes)} usable",
             ),
-            (
-                "micro-batch",
-                f"{self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulation} "
-                f"(batch {self.micro_batch * self.accumulation})",
-            ),
+            ("micro-batch", micro),
             ("autocast", ac),
-            ("checkpointing", on[self.checkpointing] + (" (not in stage mode)" if self.stage_mode else "")),
+            ("checkpointing", "on" if self.checkpointing else "off (not in stage mode)" if self.stage_mode else "off"),
             ("weights", g(self.weights_bytes)),
             ("gradients", g(self.grads_bytes)),
             ("optimizer", f"{g(self.optimizer_bytes)} ({self.optimizer})"),
@@ -117,12 +122,6 @@ class MemoryPlan:
             rows.append(("bf16 weights", g(self.cast_bytes)))
         per = "in flight" if self.stage_mode else "per micro-batch"
         rows += [("activations", f"{g(self.activations_bytes)} {per}"), ("estimated peak", g(self.est_peak_bytes))]
-        if self.stage_mode:
-            rows[1] = (
-                "micro-batch",
-                f"{self.micro_batch} x {self.seq_len} tokens (pipeline.micro_batch_size); the stage accumulates "
-                f"{self.batch_size // self.micro_batch} per step (batch {self.batch_size})",
-            )
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

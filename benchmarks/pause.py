@@ -10,7 +10,9 @@ Two runs of the same spec, each peer in its own network namespace (locomm/testin
 Figures, per run: each of peers 0 and 1's ``wait_s`` per round (compute waiting on the network, the difference
 of consecutive ``round`` events' running sums) over the rounds from ``pause-at + 2`` (the pause is published and
 read) to the resume, their mean and max; for ``paused``, also the rounds right after the pause (where a partner
-may still have planned peer 2), peer 2's paused/resumed events and whether it took the swarm's state on resume.
+may still have planned peer 2), the three rounds after the resume (the resumed peer downloads the swarm's state
+from its donors, peers 0 and 1), peer 2's paused/resumed events and whether it took the swarm's state on resume.
+Run it on a quiet machine: the two runs are sequential, so other load on the cores shifts one against the other.
 The must-show: the mean wait per round while peer 2 is paused is no higher than in the 2-peer run.
 
     sudo python benchmarks/pause.py                       # ~4 minutes on 2 cores
@@ -97,6 +99,7 @@ def run(args: Any, spec_path: Path, n: int, folder: Path) -> dict[str, Any]:
             out["paused_wall_s"] = time.perf_counter() - t0
             resume_at = max(p.round() for p in procs[:2]) + args.pause_rounds
             wait_for(lambda: min(p.round() for p in procs[:2]) >= resume_at, "the others go on")
+            out["resume_asked_at"] = time.time()  # the window ends here: the resume's state sync is not a pause
             out["resume"] = control("resume", dirs[2])
             out["resumed_wall_s"] = time.perf_counter() - t0
         while any(p.poll() is None for p in procs):
@@ -115,7 +118,7 @@ def figures(paused: dict[str, Any], two: dict[str, Any], pause_at: int) -> dict[
     p2 = ev["peer2"]
     pe = next((e for e in p2 if e["event"] == "paused"), None)
     re_ = next((e for e in p2 if e["event"] == "resumed"), None)
-    out: dict[str, Any] = {"paused_event": pe, "resumed_event": re_, "window": {}}
+    out: dict[str, Any] = {"paused_event": pe, "resumed_event": re_, "window": {}, "resume_sync_wait_s": {}}
     while_paused, just_after, two_peers = [], [], []
     for name in ("peer0", "peer1"):
         w, w2 = waits(ev[name]), waits(two["events"][name])
@@ -124,11 +127,13 @@ def figures(paused: dict[str, Any], two: dict[str, Any], pause_at: int) -> dict[
         # was published (every peer has read it by then) to the one it was in at the resume.
         at = lambda t: max((e["round"] for e in rounds if e["time"] <= t), default=0)  # noqa: E731
         lo = at(pe["time"]) + 2 if pe else pause_at + 2
-        hi = at(re_["time"]) if re_ else lo
+        hi = at(paused["resume_asked_at"]) if "resume_asked_at" in paused else lo
         out["window"][name] = [lo, hi]
         while_paused += [w[r] for r in range(lo, hi + 1) if r in w]
         just_after += [w[r] for r in range(lo - 2, lo) if r in w]
         two_peers += [w2[r] for r in range(lo, hi + 1) if r in w2]
+        # What the resumed peer's state download (from us, among its donors) cost us: the rounds after the resume.
+        out["resume_sync_wait_s"][name] = [round(w[r], 3) for r in range(hi + 1, hi + 4) if r in w]
     for key, xs in (("while_paused", while_paused), ("just_after_pause", just_after), ("two_peers", two_peers)):
         out[key] = {
             "n": len(xs),

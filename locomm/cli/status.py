@@ -72,6 +72,8 @@ async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> d
                         "last_exchange_s_ago": (time.time() - b.last_exchange) if b.last_exchange else None,
                         "heartbeat_age_s": now - (b.time or now),
                         "version": b.version,
+                        "state": "left" if b.finished else "paused" if b.paused else "training",
+                        "eta_s": b.eta_s,
                         # pipeline mode: the stage this peer serves, its micro-batches/s, re-routes, losses
                         **(
                             {"stage": b.stage, "mb_per_s": b.mb_per_s, "rerouted": b.rerouted, "lost": b.lost}
@@ -97,18 +99,21 @@ def render(snap: dict[str, Any]) -> Table:
     if any("stage" in p for p in snap.get("peers", [])):
         return render_stages(snap)
     t = Table(title=f"run {snap.get('run', '?')}: {len(snap.get('peers', []))} peers")
-    for col in ("peer", "round", "step", "loss", "val", "tok/s", "MB sent", "last exchange", "staleness"):
+    cols = ("peer", "state", "round", "step", "loss", "val", "tok/s", "round ETA", "MB sent", "last exchange")
+    for col in (*cols, "staleness"):
         t.add_column(col, justify="right")
     top = max((p["round"] for p in snap.get("peers", [])), default=0)
     for p in snap.get("peers", []):
         stale = p["heartbeat_age_s"] > STALE_AFTER_S
         t.add_row(
             p["peer"][-10:],
+            p.get("state", "?"),
             str(p["round"]),
             str(p["step"]),
             _f(p["loss"]),
             _f(p["val_loss"]),
             _f(p["tokens_per_s"], "{:,.0f}"),
+            _f(p.get("eta_s"), "{:.0f}s"),
             _f((p["bytes_sent"] or 0) / 1e6, "{:.1f}"),
             _f(p["last_exchange_s_ago"], "{:.0f}s ago"),
             f"{top - p['round']} rounds" + (" (stale)" if stale else ""),

@@ -201,9 +201,15 @@ def join(
             if attack not in ATTACKS:
                 raise ConfigError(f"--attack: one of {', '.join(ATTACKS)}; got {attack!r}")
         if plan_only:
-            from locomm.train.plan import plan_memory  # noqa: PLC0415 - imports torch
+            from locomm.train import plan_memory, resolve_device  # noqa: PLC0415 - imports torch
 
-            plan = plan_memory(spec, device=device, max_memory_gb=max_memory)
+            try:
+                dev = resolve_device(device)
+            except ValueError as e:  # with --max-memory a plan is arithmetic: a CUDA plan on a machine without one
+                if max_memory is None:
+                    raise ConfigError(f"{e}; pass --max-memory to plan for a device this machine lacks") from None
+                dev = device
+            plan = plan_memory(spec, device=dev, max_memory_gb=max_memory, prefer_autocast=True)
             if as_json:
                 emit_json(plan.as_json())
             else:

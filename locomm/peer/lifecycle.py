@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DONORS",
+    "device_and_plan",
     "JOIN_MARGIN_ROUNDS",
     "STATE_ATTEMPTS",
     "enter_swarm",
@@ -254,3 +255,15 @@ async def pause_here(node: Node) -> None:
     await enter_swarm(node, resumed=top <= paused_at)
     host.events.write("resumed", round=node.round, paused_at=paused_at, paused_s=time.monotonic() - t0)
     log.info("resumed at round %d (paused at %d)", node.round, paused_at)
+
+
+def device_and_plan(host: Host) -> tuple[Any, Any]:
+    """The device and the memory plan of ``--max-memory`` (``train/plan.py``), logged as a ``plan`` event. Call it in
+    the compute thread before the model is on the device (the device's free memory is the default budget)."""
+    from locomm.train import plan_memory, resolve_device  # noqa: PLC0415 - imports torch
+
+    device = resolve_device(host.opts.device)
+    plan = plan_memory(host.spec, device=device, max_memory_gb=host.opts.max_memory_gb, prefer_autocast=True)
+    host.events.write("plan", **plan.as_json())
+    log.info("memory plan:\n%s", plan.describe())
+    return device, plan

@@ -34,6 +34,7 @@ from locomm.config import ConfigError, RunSpec
 from locomm.peer.host import Host
 from locomm.peer.lifecycle import (
     control_handlers,
+    device_and_plan,
     enter_swarm,
     leave_swarm,
     partner_gone,
@@ -89,11 +90,13 @@ class Node:
         return dict(self.trainer.model.named_parameters())
 
     def _build(self, shard: tuple[int, int]) -> None:
-        from locomm.train import Trainer, resolve_device  # noqa: PLC0415
+        from locomm.train import Trainer  # noqa: PLC0415
 
+        device, plan = device_and_plan(self.host)
         self.trainer = Trainer(
             self.spec,
-            device=resolve_device(self.opts.device),
+            device=device,
+            plan=plan,
             worker_id=shard[0],
             num_workers=shard[1],
             stream=self.host.stream_key(),

@@ -36,7 +36,7 @@ from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
 from locomm.peer.host import Host, NodeOptions
-from locomm.peer.lifecycle import stage_handlers, start_control
+from locomm.peer.lifecycle import device_and_plan, stage_handlers, start_control
 from locomm.peer.partners import note_screening
 from locomm.peer.stage_checkpoint import StageCheckpoints
 from locomm.peer.stage_service import Lost, StageService, eval_mid, stage_summary
@@ -112,12 +112,12 @@ class Stage:
 
     def _build(self, shard: tuple[int, int]) -> None:
         from locomm.data import BatchSampler, eval_batches, load_corpus  # noqa: PLC0415
-        from locomm.train import resolve_device  # noqa: PLC0415
 
         spec = self.spec
         self.geo = Geometry.of(spec)
         self.coder = BoundaryCoder(spec, self.geo)
-        self.worker = StageWorker(spec, self.stage, geo=self.geo, device=resolve_device(self.opts.device))
+        device, plan = device_and_plan(self.host)
+        self.worker = StageWorker(spec, self.stage, geo=self.geo, device=device, plan=plan)
         self.algo = build_outer(spec.outer, self.params(), self.host.me)
         self.defence = Defence(spec.defence, self.algo)
         self.codec = PayloadCodec(

@@ -1,14 +1,51 @@
-"""Progress of one stream (bytes done of the declared total, rate, ETA), and the clock type of the exchange layer."""
+"""Progress of one stream (bytes done of the declared total, rate, ETA), the clock type and the outcomes of the
+exchange layer that are not faults (a cut transfer, an unreachable peer)."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 Clock = Callable[[], float]
 """A source of "now" in seconds (``time.monotonic``; a virtual-time loop's ``time`` in tests)."""
+
+
+class TransferCut(Exception):
+    """A transfer stalled, ran past its deadline, or fell below the floor rate (not a fault)."""
+
+
+class Unreachable(Exception):
+    """The peer could not be dialled (behind NAT, gone): not a fault."""
+
+
+class FloorWindow:
+    """The floor-rate check of one stream: over any ``window_s`` of waiting on the wire, at least the floor.
+
+    Only time spent waiting on the wire counts (not decoding or encoding, not our own traffic cap)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.waited = 0.0
+        self.moved = 0
+        self._marks: deque[tuple[float, int]] = deque([(0.0, 0)])
+
+    def add(self, n: int, waited: float, floor_Bps: float) -> None:
+        """``n`` bytes moved after ``waited`` s on the wire; raises TransferCut below ``floor_Bps``."""
+        self.waited += waited
+        self.moved += n
+        self._marks.append((self.waited, self.moved))
+        while len(self._marks) > 2 and self._marks[1][0] <= self.waited - self.window_s:
+            self._marks.popleft()
+        w0, b0 = self._marks[0]
+        span = self.waited - w0
+        if span >= self.window_s and (self.moved - b0) < floor_Bps * span:
+            raise TransferCut(
+                f"{(self.moved - b0) / span * 8 / 1e6:.2f} Mbit/s over {span:.0f} s, "
+                f"below the floor of {floor_Bps * 8 / 1e6:.2f} Mbit/s"
+            )
 
 
 @dataclass
@@ -21,6 +58,8 @@ class Meter:
     done: int = 0
     t0: float = field(default_factory=time.monotonic)  # a Link resets both from its clock
     last: float = field(default_factory=time.monotonic)
+    throttled_s: float = 0.0
+    """Time this stream waited on the peer's own traffic cap (``shaper.py``), inside ``last - t0``."""
 
     @property
     def rate_Bps(self) -> float:

@@ -29,6 +29,10 @@ the floor. Open streams are capped per remote peer (``max_streams_per_peer``) an
 either cap is answered ``NOT_READY`` (not a fault) before its header is read, and only a little of what it
 sends is drained.
 
+A traffic cap (``shaper.py``): ``RpcServer(shaper=...)`` attaches it to its P2P; every Link on that P2P (served,
+or from ``open_link`` / ``request``) takes its bytes from its buckets, ``SLICE`` at a time. Time on the bucket is
+ours, not the partner's: it counts toward no stall or floor window and moves the size deadline back.
+
 ``clock`` (of a ``Link``, the ``RpcServer``, ``open_link``) is the one source of "now" for the deadlines and
 meters; the daemon's is ``time.monotonic``. The waits are asyncio timeouts on the loop's clock, so tests on a
 virtual-time loop (``locomm.testing.clock``) pass ``clock=loop.time`` and never sleep on the real clock.
@@ -40,7 +44,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -48,7 +52,8 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
-from locomm.peer.meter import Clock, Meter
+from locomm.peer.meter import Clock, FloorWindow, Meter, TransferCut, Unreachable
+from locomm.peer.shaper import SLICE, Bucket, Shaper, attach, shaper_of
 from locomm.protocol.messages import (
     FAULT_CODES,
     HEADER_LEN,
@@ -70,10 +75,6 @@ IO_CHUNK = 1 << 18
 """Bytes per read/write call: small enough for progress and stall checks, large enough to be cheap."""
 
 
-class TransferCut(Exception):
-    """A transfer stalled, ran past its deadline, or fell below the floor rate (not a fault)."""
-
-
 class Link:
     """One stream's reads and writes under the limits (stall, floor rate over a window, size deadline)."""
 
@@ -86,15 +87,15 @@ class Link:
         streams: int = 1,
         *,
         clock: Clock = time.monotonic,
+        shaper: Shaper | None = None,
     ) -> None:
         self.reader, self.writer, self.limits, self.meter = reader, writer, limits, meter
         self.clock = clock
+        self.up, self.down = (shaper.up, shaper.down) if shaper is not None else (None, None)
         meter.t0 = meter.last = clock()
         self.streams = max(1, streams)
         self.deadline: float | None = None
-        self.waited = 0.0
-        self._window: deque[tuple[float, int]] = deque([(0.0, 0)])
-        self._moved = 0
+        self.window = FloorWindow(limits.rate_window_s)
 
     def expect(self, nbytes: int, streams: int | None = None) -> None:
         """A body of up to ``nbytes`` follows: set the size-based deadline from now."""
@@ -105,25 +106,20 @@ class Link:
 
     def _progress(self, n: int, waited: float) -> None:
         now = self.clock()
-        self.waited += waited
-        self._moved += n
         self.meter.done += n
         self.meter.last = now
-        self._window.append((self.waited, self._moved))
-        # Floor rate over the last window of waiting (time spent decoding or encoding does not count).
-        while len(self._window) > 2 and self._window[1][0] <= self.waited - self.limits.rate_window_s:
-            self._window.popleft()
-        w0, b0 = self._window[0]
-        span = self.waited - w0
-        if span >= self.limits.rate_window_s:
-            floor = self.limits.min_rate_Bps / self.streams
-            if (self._moved - b0) < floor * span:
-                raise TransferCut(
-                    f"{(self._moved - b0) / span * 8 / 1e6:.2f} Mbit/s over {span:.0f} s, "
-                    f"below the floor of {floor * 8 / 1e6:.2f} Mbit/s"
-                )
+        self.window.add(n, waited, self.limits.min_rate_Bps / self.streams)
         if self.deadline is not None and now > self.deadline:
             raise TransferCut(f"past the deadline for {self.meter.total} bytes at the floor rate")
+
+    async def _throttle(self, bucket: Bucket, n: int) -> None:
+        """Take ``n`` bytes from our own cap; the time it takes moves the size deadline back (it is not theirs)."""
+        t0 = self.clock()
+        if await bucket.take(n):
+            dt = self.clock() - t0
+            self.meter.throttled_s += dt
+            if self.deadline is not None:
+                self.deadline += dt
 
     def _timeout(self) -> float:
         t = self.limits.stall_timeout_s
@@ -149,6 +145,8 @@ class Link:
             raise ConnectionError(f"stream ended before the whole {what}") from None
         except TimeoutError:
             raise TransferCut(f"no {what} within {timeout_s:.0f} s") from None
+        if self.down is not None:
+            await self._throttle(self.down, len(prefix) + len(raw))
         return decode_header(raw)
 
     async def read_header(self) -> dict[str, Any]:
@@ -159,18 +157,21 @@ class Link:
         """Exactly ``n`` bytes (already bounded by a validated declaration), in chunks under the limits."""
         buf = bytearray(n)
         view = memoryview(buf)
-        got = 0
+        got, step = 0, SLICE if self.down is not None else IO_CHUNK
         while got < n:
             t0, wait_s = self.clock(), self._timeout()
             try:
-                chunk = await asyncio.wait_for(self.reader.read(min(IO_CHUNK, n - got)), wait_s)
+                chunk = await asyncio.wait_for(self.reader.read(min(step, n - got)), wait_s)
             except TimeoutError:
                 raise self._cut(f"no bytes for {wait_s:.0f} s ({got} of {n} read)") from None
             if not chunk:
                 raise ConnectionError(f"stream ended after {got} of {n} bytes")
             view[got : got + len(chunk)] = chunk
             got += len(chunk)
-            self._progress(len(chunk), self.clock() - t0)
+            wire = self.clock() - t0
+            if self.down is not None:
+                await self._throttle(self.down, len(chunk))
+            self._progress(len(chunk), wire)
         return buf
 
     async def discard(self, max_bytes: int = 8 << 20, max_s: float = 1.0) -> None:
@@ -183,6 +184,8 @@ class Link:
                 if not chunk:
                     return
                 left -= len(chunk)
+                if self.down is not None:
+                    await self.down.take(len(chunk))
 
     async def read_part(self, max_bytes: int) -> bytearray:
         """One ``u32 length | bytes`` part whose length must not exceed ``max_bytes``."""
@@ -195,7 +198,10 @@ class Link:
     # -- writes ------------------------------------------------------------------------
 
     async def write_header(self, header: Mapping[str, Any]) -> None:
-        self.writer.write(pack_frame(header))
+        frame = pack_frame(header)
+        if self.up is not None:
+            await self._throttle(self.up, len(frame))
+        self.writer.write(frame)
         try:
             await asyncio.wait_for(self.writer.drain(), self.limits.request_timeout_s)
         except TimeoutError:
@@ -203,8 +209,11 @@ class Link:
 
     async def write_bytes(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
-        for off in range(0, len(view), IO_CHUNK):
-            piece = view[off : off + IO_CHUNK]
+        step = SLICE if self.up is not None else IO_CHUNK
+        for off in range(0, len(view), step):
+            piece = view[off : off + step]
+            if self.up is not None:
+                await self._throttle(self.up, len(piece))
             t0, wait_s = self.clock(), self._timeout()
             self.writer.write(piece)
             try:
@@ -280,8 +289,13 @@ class RpcServer:
         is_banned: Callable[[str], bool] = lambda _: False,
         on_fault: Callable[[str, str], None] = lambda *_: None,
         clock: Clock = time.monotonic,
+        shaper: Shaper | None = None,
     ) -> None:
         self.p2p, self.run_id, self.limits, self.pool = p2p, run_id, limits, pool
+        self.shaper = shaper
+        """The peer's traffic cap, attached to ``p2p``: client links on it (``open_link``, ``request``) use it too."""
+        if shaper is not None:
+            attach(p2p, shaper)
         self.clock = clock  # of every link it serves, and of the Gossip on it unless told otherwise
         self.authorize = authorize
         self.is_banned = is_banned
@@ -309,7 +323,7 @@ class RpcServer:
         self, service: Service, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         meter = Meter(remote, "recv")
-        link = Link(reader, writer, self.limits, meter, clock=self.clock)
+        link = Link(reader, writer, self.limits, meter, clock=self.clock, shaper=self.shaper)
         call: Call | None = None
         if self.open_streams.get(remote, 0) >= self.limits.max_streams_per_peer:
             return await self._refuse(service, remote, link, "too many open streams from this peer")
@@ -390,10 +404,6 @@ REFUSED_DRAIN_BYTES = 1 << 16
 # ------------------------------------------------------------------------------ client
 
 
-class Unreachable(Exception):
-    """The peer could not be dialled (behind NAT, gone): not a fault."""
-
-
 async def open_link(
     p2p: P2P,
     peer: str,
@@ -403,7 +413,9 @@ async def open_link(
     streams: int = 1,
     *,
     clock: Clock = time.monotonic,
+    shaper: Shaper | None = None,
 ) -> Link:
+    """A stream to ``peer``'s ``handler``, under ``shaper`` (default: the one attached to ``p2p``, if any)."""
     try:
         async with asyncio.timeout(limits.request_timeout_s):
             _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
@@ -411,7 +423,8 @@ async def open_link(
         raise
     except (Exception, TimeoutError) as e:  # noqa: BLE001 - p2pd reports dial failures in several ways
         raise Unreachable(f"{type(e).__name__}: {e}") from None
-    return Link(reader, writer, limits, Meter(peer, direction), streams, clock=clock)
+    shaper = shaper if shaper is not None else shaper_of(p2p)
+    return Link(reader, writer, limits, Meter(peer, direction), streams, clock=clock, shaper=shaper)
 
 
 async def request(
@@ -423,9 +436,10 @@ async def request(
     body: Callable[[Link, dict[str, Any]], Awaitable[Any]] | None = None,
     *,
     clock: Clock = time.monotonic,
+    shaper: Shaper | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """One request: send ``header``, read the answer; ``body(link, answer)`` reads what follows an OK."""
-    link = await open_link(p2p, peer, handler, limits, "recv", clock=clock)
+    link = await open_link(p2p, peer, handler, limits, "recv", clock=clock, shaper=shaper)
     try:
         await link.write_header(header)
         code, resp = await link.read_answer()

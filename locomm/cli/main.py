@@ -18,6 +18,7 @@ from locomm.cli.bootstrap import bootstrap
 from locomm.cli.control import pause, resume
 from locomm.cli.doctor import doctor
 from locomm.cli.local_commands import simulate, train
+from locomm.cli.model_commands import eval_command, export, generate
 from locomm.cli.options import PRESETS, emit_json, fail, load_spec
 from locomm.cli.plot import plot
 from locomm.cli.swarm_commands import join, status, swarm
@@ -49,7 +50,21 @@ def cli() -> None:
     """locomm: train a language model across peers on consumer links."""
 
 
-for _command in (train, simulate, join, swarm, status, bootstrap, doctor, pause, resume, plot):
+for _command in (
+    train,
+    simulate,
+    join,
+    swarm,
+    status,
+    bootstrap,
+    doctor,
+    pause,
+    resume,
+    plot,
+    export,
+    generate,
+    eval_command,
+):
     cli.add_command(_command)
 
 

@@ -26,6 +26,7 @@ Notable:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import weakref
@@ -99,6 +100,7 @@ class Shaper:
         self.up_mbit, self.down_mbit = up_mbit, down_mbit
         self.up = Bucket(up_mbit * 1e6 / 8, burst_s, clock) if up_mbit is not None else None
         self.down = Bucket(down_mbit * 1e6 / 8, burst_s, clock) if down_mbit is not None else None
+        self._gates: dict[tuple[str, int], asyncio.Semaphore] = {}
 
     @property
     def limited(self) -> bool:
@@ -119,6 +121,17 @@ class Shaper:
         if bucket is None or floor_Bps <= 0:
             return None
         return max(1, int(bucket.rate / floor_Bps + 1e-9))
+
+    def gate(self, floor_Bps: float, direction: str = "up") -> contextlib.AbstractAsyncContextManager[Any]:
+        """One of the peer's ``max_concurrent(floor_Bps, direction)`` slots for a transfer: ``async with
+        shaper.gate(floor):`` around each push keeps every one at the floor (a no-op without a cap)."""
+        k = self.max_concurrent(floor_Bps, direction)
+        if k is None:
+            return contextlib.nullcontext()
+        key = (direction, k)
+        if key not in self._gates:
+            self._gates[key] = asyncio.Semaphore(k)
+        return self._gates[key]
 
     def check(self, network: Any) -> None:
         """Refuse, at start, a cap below the swarm's floor rate (``network.min_rate_mbit`` of the run spec):

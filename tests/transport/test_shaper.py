@@ -200,6 +200,33 @@ def test_check_refuses_a_cap_below_the_floor_and_max_concurrent_keeps_it():
             Shaper(bad, None)
 
 
+def test_the_gate_runs_at_most_max_concurrent_transfers_at_once():
+    """Five 1 MB pushes under a 20 Mbit/s cap and a 10 Mbit/s floor: two at a time, each at >= the floor."""
+
+    async def body():
+        shaper, floor = Shaper(20, None, clock=now), 10 * MBIT
+        running, most, rates = 0, 0, []
+
+        async def push() -> None:
+            nonlocal running, most
+            async with shaper.gate(floor):
+                running += 1
+                most = max(most, running)
+                _, _, ln = link(shaper)
+                t0 = now()
+                await ln.write_bytes(bytes(1_000_000))
+                rates.append(1_000_000 / (now() - t0))
+                running -= 1
+
+        await asyncio.gather(*(push() for _ in range(5)))
+        assert most == 2
+        assert min(rates) >= floor
+        async with Shaper(None, None).gate(floor):  # no cap: no gate
+            pass
+
+    run(body())
+
+
 def test_the_server_attaches_its_shaper_and_client_links_pick_it_up():
     async def body():
         p2p, shaper = StubP2P(), Shaper(20, 30, clock=now)

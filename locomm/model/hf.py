@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,6 +321,10 @@ def write_hf(out: Path, w: ModelWeights, dtype: str = "float32") -> list[Path]:
     for name, obj in files.items():
         atomic_write_text(out / name, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
         paths.append(out / name)
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in paths:  # atomic writes are private (0600); an export is meant to be shared, as a plain write
+        p.chmod(0o666 & ~mask)
     return paths
 
 

@@ -46,6 +46,7 @@ from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.options import NodeOptions
 from locomm.peer.records import SPEC_TTL_S, SwarmKey, SwarmValidator, heartbeat_ttl, load_identity
 from locomm.peer.rpc import RpcServer, Service
+from locomm.peer.shaper import Shaper
 from locomm.peer.spec_sync import settle_spec
 from locomm.peer.state import Synced, fetch_state
 from locomm.peer.swarm import peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
@@ -125,6 +126,7 @@ class Host:
                 self._forget_unchecked(peers_key(self.run_id))
             self.limits = Limits.from_network(net)
             self.faults = Faults(net.max_faults_before_ban)
+            (shaper := Shaper(self.opts.max_upload_mbit, self.opts.max_download_mbit)).check(net)  # cap >= floor
             self.rpc = RpcServer(
                 self.p2p,
                 self.run_id,
@@ -133,6 +135,7 @@ class Host:
                 authorize=self.authorize,
                 is_banned=lambda peer: peer in self.faults.banned,
                 on_fault=self.faults.record,
+                shaper=shaper,
             )
             self.metrics = Metrics(self.opts.metrics_port, self.me, host=self.opts.metrics_host)
         except BaseException as e:

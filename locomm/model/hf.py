@@ -12,7 +12,8 @@ Notable:
   subspace form is exact as plain Llama when ``branch_norm`` is off: stage 0's ``E_learn + E_f`` is one
   embedding, and the boundary map ``h = U U^T (h - E_f) + E_f`` is the identity while every write before
   the last boundary lies in span(U), which is checked (and ``subspace_form`` "reparam" keeps the same
-  forward weights). ``branch_norm`` (an RMSNorm on each branch output) has no Llama equivalent: refused.
+  forward weights). ``branch_norm`` (an RMSNorm on each branch output) has no Llama equivalent: the
+  export refuses it. :func:`build_model_from` (generate, eval) runs the stages themselves, so it takes any.
 - Rotary: locomm rotates pairs ``(2i, 2i+1)`` of each head; Hugging Face's Llama rotates ``(i, i + Dh/2)``
   (``rotate_half``) with the same frequency ``theta^(-2i/Dh)``. Permuting the rows of each head of wq and
   wk (even rows first, then odd) turns one into the other; q.k is unchanged because both move alike.
@@ -44,7 +45,7 @@ from locomm.checkpoint import (
 )
 from locomm.config import ModelConfig, RunSpec
 from locomm.model.llama import LlamaModel
-from locomm.model.stages import Geometry
+from locomm.model.stages import ConstrainedModel, Geometry, build_stages
 
 WEIGHTS = ("outer", "local")
 BOS, EOS, PAD = 256, 257, 258  # locomm.data.corpus's specials (model/ does not import data/)
@@ -55,13 +56,21 @@ _SPAN_TOL = 1e-4
 
 @dataclass
 class ModelWeights:
-    """One unsplit model: its config (``tie_embeddings`` as the tensors are) and tensors in locomm's names."""
+    """One model's config (``tie_embeddings`` as the tensors are) and its tensors in locomm's names."""
 
     spec: RunSpec
     cfg: ModelConfig
     tensors: dict[str, torch.Tensor]
     source: str
     """What was read, in words: which weights, from which checkpoint(s), at which step/round."""
+    geo: Geometry | None = None
+    """A pipeline's geometry: ``tensors`` are then the stages' own (E_learn without E_f)."""
+
+    def llama_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of the plain Llama that computes this model; CheckpointError when none does exactly."""
+        if self.geo is None or not (self.geo.subspace or self.geo.branch_norm):
+            return self.tensors
+        return _unconstrain(self.geo, self.tensors)
 
 
 def find_checkpoints(dirs: Sequence[Path]) -> list[Path]:
@@ -152,10 +161,8 @@ def _merge_stages(spec: RunSpec, paths: list[Path], ckpts: list[Checkpoint], wei
         )
     if len(kinds) > 1:
         raise CheckpointError("some stages hold outer weights and some do not: pass --weights local")
-    if geo.subspace or geo.branch_norm:
-        tensors = _unconstrain(geo, tensors)
     cfg = dataclasses.replace(spec.model, tie_embeddings=False)  # stages hold an untied head
-    return ModelWeights(spec, cfg, tensors, f"{kinds.pop()} weights of {geo.stages} pipeline stages")
+    return ModelWeights(spec, cfg, tensors, f"{kinds.pop()} weights of {geo.stages} pipeline stages", geo)
 
 
 def _unconstrain(geo: Geometry, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -180,11 +187,24 @@ def _unconstrain(geo: Geometry, tensors: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def build_model_from(w: ModelWeights, device: str | torch.device = "cpu") -> LlamaModel:
-    """locomm's own model holding ``w`` (eval mode)."""
-    model = LlamaModel(w.cfg)
-    load_model_tensors(model, w.tensors)
-    return model.to(device).eval()
+def build_model_from(w: ModelWeights, device: str | torch.device = "cpu") -> LlamaModel | ConstrainedModel:
+    """locomm's own model holding ``w`` (eval mode): a pipeline's stages run back to back, with their
+    boundary map, E_f and ``branch_norm`` (:class:`~locomm.model.stages.ConstrainedModel`), as the swarm
+    computes it; else the :class:`~locomm.model.llama.LlamaModel`."""
+    if w.geo is None:
+        model = LlamaModel(w.cfg)
+        load_model_tensors(model, w.tensors)
+        return model.to(device).eval()
+    stages = build_stages(w.spec, w.geo)
+    for st in stages:
+        own = set(st.state_dict())
+        load_model_tensors(st, {k: v for k, v in w.tensors.items() if k in own})
+    return ConstrainedModel(stages).to(device).eval()
+
+
+def context_length(model: LlamaModel | ConstrainedModel) -> int:
+    """The longest input ``model`` takes (its rotary table)."""
+    return model.cfg.max_seq_len if isinstance(model, LlamaModel) else model.stages[0].max_seq_len
 
 
 # -- Hugging Face ------------------------------------------------------------------------
@@ -301,7 +321,7 @@ def write_hf(out: Path, w: ModelWeights, dtype: str = "float32") -> list[Path]:
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"--out {out}: exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.to(DTYPES[dtype]) for k, v in hf_tensors(w.cfg, w.tensors).items()}
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in hf_tensors(w.cfg, w.llama_tensors()).items()}
     files = {
         "config.json": hf_config(w.cfg, dtype),
         "generation_config.json": {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD},
@@ -333,7 +353,7 @@ def write_hf(out: Path, w: ModelWeights, dtype: str = "float32") -> list[Path]:
 
 @torch.no_grad()
 def sample(
-    model: LlamaModel,
+    model: LlamaModel | ConstrainedModel,
     prompt: Sequence[int],
     *,
     max_new: int,
@@ -351,10 +371,11 @@ def sample(
         raise ValueError("temperature must be >= 0 and top_k >= 1")
     device = next(model.parameters()).device
     g = torch.Generator(device="cpu").manual_seed(seed)
+    n = context_length(model)
     ctx = list(prompt) or [EOS]  # an empty prompt starts a document, as after an EOS in training
     new: list[int] = []
     for _ in range(max_new):
-        x = torch.tensor([ctx[-model.cfg.max_seq_len :]], dtype=torch.long, device=device)
+        x = torch.tensor([ctx[-n:]], dtype=torch.long, device=device)
         logits = model(x)[0, -1].float().cpu()  # (V,)
         if temperature == 0:
             tok = int(logits.argmax())

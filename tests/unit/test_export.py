@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from locomm.checkpoint import CHECKPOINT_NAME, SPEC_KEY, save_checkpoint
 from locomm.cli.model_commands import eval_command, export, generate
 from locomm.model import LlamaModel
-from locomm.model.hf import sample
+from locomm.model.hf import build_model_from, load_weights, sample
 from locomm.model.stages import ConstrainedModel
 from locomm.peer.stage_checkpoint import capture_stage
 from locomm.protocol import build_outer
@@ -200,6 +200,22 @@ def test_pipeline_stages_export_as_the_unsplit_model(nano_spec, tmp_path, subspa
     x = _tokens()
     with torch.no_grad():
         torch.testing.assert_close(_hf(tmp_path / "hf")(x).logits, reference(x), atol=1e-4, rtol=1e-4)
+
+
+def test_generate_and_eval_run_a_pipeline_that_plain_llama_cannot(nano_spec, tmp_path):
+    spec = nano_spec.replace("outer", algo="noloco").replace("pipeline", stages=2)  # subspace, branch_norm on
+    reference = _stage_checkpoints(spec, tmp_path / "ck")
+    w = load_weights([tmp_path / "ck"])
+    x = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(build_model_from(w)(x), reference(x), atol=1e-5, rtol=1e-5)
+    args = ["--checkpoint-dir", str(tmp_path / "ck")]
+    gen = CliRunner().invoke(generate, [*args, "--prompt", "def ", "--temperature", "0", "--max-bytes", "20"])
+    assert gen.exit_code == 0, gen.output
+    ours = sample(reference, list(b"def "), max_new=20, temperature=0)
+    assert gen.output == bytes(list(b"def ") + [t for t in ours if t < 256]).decode(errors="replace") + "\n"
+    ev = CliRunner().invoke(eval_command, [*args, "--device", "cpu", "--json"])
+    assert ev.exit_code == 0 and math.isfinite(json.loads(ev.output.splitlines()[-1])["val_loss"]), ev.output
 
 
 def test_pipeline_refusals(nano_spec, tmp_path):

@@ -287,7 +287,7 @@ def checkpoint_spec(directory: Path, given: RunSpec | None = None, name: str = C
             )
         return spec
     if given is None:
-        raise CheckpointError(f"{path} carries no run spec (an older checkpoint): pass the run's --config")
+        raise CheckpointError(f"{path} carries no run spec (an older locomm wrote it): pass the run's --config")
     if given.hash() != ckpt.spec_hash:
         raise CheckpointError(f"{path} was written by another run spec than --config (hash {ckpt.spec_hash[:12]})")
     return given

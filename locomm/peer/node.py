@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from locomm import __version__
-from locomm.checkpoint import SPEC_KEY, save_tensors_atomic
+from locomm.checkpoint import save_tensors_atomic
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.host import Host
@@ -141,8 +141,7 @@ class Node:
 
     def _checkpoint(self) -> None:
         if self.opts.checkpoint_dir is not None:
-            extra = {"round": self.round, SPEC_KEY: self.spec.to_toml()}
-            self.trainer.save(self.opts.checkpoint_dir, aux=self.algo.state_dict(), extra=extra)
+            self.trainer.save(self.opts.checkpoint_dir, aux=self.algo.state_dict(), extra={"round": self.round})
 
     def _snapshot(self, round_idx: int) -> None:
         # A joiner downloads the last outer point (phi) and the outer state.

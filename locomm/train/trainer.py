@@ -29,6 +29,7 @@ import torch
 
 from locomm.checkpoint import (
     CHECKPOINT_NAME,
+    SPEC_KEY,
     Checkpoint,
     CheckpointError,
     SetAside,
@@ -156,7 +157,7 @@ class Trainer:
                 spec_hash=self.spec.hash(),
                 model=model_tensors(self.model),
                 optimizer=self.optimizer.state_dict(),
-                extra={"sampler": self.sampler.state(), **(extra or {})},
+                extra={"sampler": self.sampler.state(), SPEC_KEY: self.spec.to_toml(), **(extra or {})},
                 aux=aux or {},
             ),
         )

@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -215,12 +216,20 @@ def rpc_case(lab: Any, args: Any, cap: float | None, seconds: float) -> dict[str
     return row
 
 
+def last_json(path: Path) -> dict[str, Any] | None:
+    lines = [x for x in path.read_text(errors="replace").splitlines() if x.startswith("{")] if path.exists() else []
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
+
+
 def peer_case(lab: Any, args: Any, cap: float | None) -> dict[str, Any]:
     from locomm.config import RunSpec  # noqa: PLC0415
     from locomm.testing.launcher import Launcher  # noqa: PLC0415
 
-    folder = Path(args.workdir) / ("capped" if cap else "uncapped")
-    folder.mkdir(parents=True, exist_ok=True)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="capped-" if cap else "uncapped-", dir=args.workdir))  # no old announce
     spec = RunSpec.load(args.config)
     spec.save(folder / "run.toml")
     hosts = [lab.hosts[f"p{i}"] for i in range(args.peers)]
@@ -257,6 +266,8 @@ def peer_case(lab: Any, args: Any, cap: float | None) -> dict[str, Any]:
         "ratio_to_cap": best["mbit"] / cap if best and cap else None,
         "per_second_mbit": per_second(samples),
         "peer0_exit": p0.returncode,
+        "peer0_summary": last_json(folder / "peer0.out"),
+        "folder": str(folder),
     }
 
 

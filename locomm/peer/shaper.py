@@ -39,6 +39,9 @@ SLICE = 1 << 16
 """The most bytes a Link moves per token-taking under a cap: keeps the bucket's output smooth."""
 BURST_S = 0.25
 """Default depth of a bucket, in seconds of its rate: the most a quiet peer may send at once."""
+HEADROOM = 1.25
+""":meth:`Shaper.max_concurrent` gives each transfer this much more than the floor: exactly the floor would be
+cut by the first hiccup (or by a state-sync request served alongside)."""
 
 
 class Bucket:
@@ -115,12 +118,13 @@ class Shaper:
         return await self.down.take(n) if self.down is not None else 0.0
 
     def max_concurrent(self, floor_Bps: float, direction: str = "up") -> int | None:
-        """How many transfers may run at once in ``direction`` with each kept at the floor ``floor_Bps``
-        (a partner holds all the streams of one transfer together to it); ``None``: no cap, no bound."""
+        """How many transfers may run at once in ``direction`` with each kept ``HEADROOM`` above the floor
+        ``floor_Bps`` (a partner holds all the streams of one transfer together to it), at least one;
+        ``None``: no cap, no bound."""
         bucket = self.up if direction == "up" else self.down
         if bucket is None or floor_Bps <= 0:
             return None
-        return max(1, int(bucket.rate / floor_Bps + 1e-9))
+        return max(1, int(bucket.rate / (HEADROOM * floor_Bps) + 1e-9))
 
     def gate(self, floor_Bps: float, direction: str = "up") -> contextlib.AbstractAsyncContextManager[Any]:
         """One of the peer's ``max_concurrent(floor_Bps, direction)`` slots for a transfer: ``async with

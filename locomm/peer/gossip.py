@@ -104,9 +104,9 @@ class Gossip:
         self.limits = limits
         self.faults = faults
         self.max_body_bytes = max_body_bytes
-        self.streams = streams
-        self.parallel_threshold = parallel_threshold
-        self.max_wait_s = max_wait_s
+        self.streams, self.parallel_threshold, self.max_wait_s = streams, parallel_threshold, max_wait_s
+        # Under a traffic cap, only as many pushes at once as each keeps the swarm's floor rate (shaper.py).
+        self._gate = server.shaper.gate(limits.min_rate_Bps) if server.shaper else contextlib.nullcontext()
         self.handler = server.handler_name("gossip")
         self.mailbox: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
         self.incoming: dict[tuple[str, int], Incoming] = {}
@@ -248,15 +248,13 @@ class Gossip:
         return max(1, min(self.streams, len(out.parts), math.ceil(raw / self.parallel_threshold)))
 
     async def push(self, peer: str, out: Outgoing) -> ErrorCode | str:
-        """Send our payload to one partner; an ErrorCode answer, or "unreachable" / "cut".
-
-        A refusal that can pass (the partner has not seen our heartbeat yet, or has not opened the round)
-        is retried a few times, a second apart.
-        """
+        """Send our payload to one partner; an ErrorCode answer, or "unreachable" / "cut". A refusal that can pass
+        (the partner has not seen our heartbeat yet, or has not opened the round) is retried, a second apart."""
         outcome: ErrorCode | str = ErrorCode.OK
         pending = list(range(len(out.parts)))  # parts no stream has had an OK for yet
         for attempt in range(PUSH_ATTEMPTS):
-            outcome, delivered = await self._push_once(peer, out, pending)
+            async with self._gate:
+                outcome, delivered = await self._push_once(peer, out, pending)
             # Resend only what was refused: a stream answered OK holds its parts on the receiver already,
             # and sending them again under the same xfer is a duplicate claim (UNEXPECTED_TENSOR, a fault).
             pending = [i for i in pending if i not in delivered]

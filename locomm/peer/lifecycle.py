@@ -230,7 +230,8 @@ async def pause_here(node: Node) -> None:
     """Paused at a step boundary of round ``node.round`` (its pending exchange finished): say so in a heartbeat,
     so nobody waits for us from this round on, keep serving state and our last payload, and wait for
     ``resume`` (or a stop). On resume, enter the swarm again as a joiner does: a new join round a little ahead of
-    the swarm's, and the swarm's state when it moved past our round meanwhile (our own weights otherwise)."""
+    the swarm's, and the swarm's state when it moved past our round meanwhile (our own weights otherwise). The
+    paused mark stays up until that is done, so nobody plans us before we can train."""
     host = node.host
     node.paused, node.phase = True, "paused"
     await host.publish()
@@ -251,8 +252,11 @@ async def pause_here(node: Node) -> None:
         return
     paused_at = node.round
     top = swarm_round([b for b in await host.read_beats() if b.peer != host.me])
-    node.paused, node.phase = False, "training"
+    # Still marked paused while it syncs: a partner that read our new join round before the download ended would
+    # plan us into rounds we miss, and wait out their deadlines for us.
     await enter_swarm(node, resumed=top <= paused_at)
+    node.paused, node.phase = False, "training"
+    await host.publish()
     host.events.write("resumed", round=node.round, paused_at=paused_at, paused_s=time.monotonic() - t0)
     log.info("resumed at round %d (paused at %d)", node.round, paused_at)
 

@@ -194,7 +194,13 @@ def join(
             from locomm.checkpoint import checkpoint_spec  # noqa: PLC0415 - imports torch
 
             spec = checkpoint_spec(resume_from, spec if config else None)
-            checkpoint_dir = checkpoint_dir or resume_from
+            if checkpoint_dir is not None and checkpoint_dir.resolve() != resume_from.resolve():
+                raise ConfigError("--resume-from DIR resumes and checkpoints in DIR; drop --checkpoint-dir")
+            checkpoint_dir = resume_from
+        if checkpoint_dir is not None:
+            from locomm.peer.control import control_path  # noqa: PLC0415 - a too long folder fails here, not later
+
+            control_path(checkpoint_dir)
         if attack is not None:
             from locomm.protocol.attacks import ATTACKS  # noqa: PLC0415 - imports torch
 

@@ -72,12 +72,17 @@ class ControlServer:
             if _answers(self.path):
                 raise ControlError(f"{self.path}: another peer is running on this checkpoint folder")
             self.path.unlink()
-        old = os.umask(0o177)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # born owner-only; no await while the process-wide umask is changed
         try:
-            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+            sock.bind(str(self.path))
+        except OSError as e:
+            sock.close()
+            raise ControlError(f"{self.path}: cannot serve the control socket: {e}") from None
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
+        self._server = await asyncio.start_unix_server(self._serve, sock=sock)
 
     async def serve(self) -> None:
         """Serve until cancelled (a task of the host's), then remove the socket."""
@@ -107,7 +112,7 @@ class ControlServer:
                     raise ValueError("request too long")
                 request = json.loads(line)
                 cmd = request["cmd"] if isinstance(request, dict) else None
-            except (TimeoutError, ValueError, KeyError, asyncio.LimitOverrunError) as e:
+            except (TimeoutError, ValueError, KeyError, RecursionError, asyncio.LimitOverrunError) as e:
                 await self._answer(writer, {"ok": False, "error": f"bad request: {e}"})
                 return
             handler = self.handlers.get(cmd) if isinstance(cmd, str) else None

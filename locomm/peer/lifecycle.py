@@ -104,6 +104,8 @@ async def enter_swarm(node: Node, resumed: bool) -> None:
             info = dict(donor_round=got.round, tensors=len(got.tensors), rule=got.rule, faulted=len(got.faulted))
             host.events.write("synced", donors=len(got.donors), **info)
             log.info("synced state of round %d from %d donor(s) by %s", got.round, len(got.donors), got.rule)
+        if host.stop.is_set():  # stopping mid-sync: our round and weights stay what they were
+            return
         # The swarm moved on while we synced: join ahead of where it is now, not where it was (a peer that starts
         # rounds behind the others trains alone and never catches up). A peer that read our first join_round
         # may plan us into a round or two before the new one; it skips us at that round's deadline.
@@ -119,7 +121,7 @@ async def enter_swarm(node: Node, resumed: bool) -> None:
 def _donors(beats: list, top: int) -> list[str]:
     """Admitted peers at the swarm's round (not those claiming to be far past it, nor those leaving), newest
     first."""
-    near = [b for b in beats if b.admitted and b.started and not b.finished and b.round <= top + 1]
+    near = [b for b in beats if b.admitted and b.started and not (b.finished or b.paused) and b.round <= top + 1]
     return [b.peer for b in sorted(near, key=lambda b: -b.round)[:DONORS]]
 
 
@@ -255,6 +257,9 @@ async def pause_here(node: Node) -> None:
     # Still marked paused while it syncs: a partner that read our new join round before the download ended would
     # plan us into rounds we miss, and wait out their deadlines for us.
     await enter_swarm(node, resumed=top <= paused_at)
+    if host.stop.is_set():  # stopped while it synced: it leaves as it was, paused
+        return
+    await host.compute(node._snapshot, node.round)  # joiners get the state we train from now, not the paused one
     node.paused, node.phase = False, "training"
     await host.publish()
     host.events.write("resumed", round=node.round, paused_at=paused_at, paused_s=time.monotonic() - t0)
@@ -267,7 +272,11 @@ def device_and_plan(host: Host) -> tuple[Any, Any]:
     from locomm.train import plan_memory, resolve_device  # noqa: PLC0415 - imports torch
 
     device = resolve_device(host.opts.device)
-    plan = plan_memory(host.spec, device=device, max_memory_gb=host.opts.max_memory_gb, prefer_autocast=True)
+    if device.type not in ("cpu", "cuda") and host.opts.max_memory_gb is None:
+        return device, None  # no free-memory reading for this device type: the batch as one step, as before
+    # bf16 first on CUDA as the trainer always did; a pipeline stage stays fp32 unless it must shrink.
+    data_parallel = host.spec.pipeline.stages < 2
+    plan = plan_memory(host.spec, device=device, max_memory_gb=host.opts.max_memory_gb, prefer_autocast=data_parallel)
     host.events.write("plan", **plan.as_json())
     log.info("memory plan:\n%s", plan.describe())
     return device, plan

@@ -352,7 +352,7 @@ class Node:
             self.gossip.advance(self.round)
             t0 = time.perf_counter()
             self.round_t0 = time.time()
-            losses = []
+            losses, cut = [], False
             # The previous round's exchange runs meanwhile; it is applied exactly one round late whenever it
             # finished (protocol/rounds.py), so the numerics do not depend on the network's speed.
             for i in range(H):
@@ -361,7 +361,7 @@ class Node:
                     await self._finish(pending)
                     pending = None
                 losses.append(await host.compute(self.trainer.train_step))
-                if host.stop.is_set() or self.pause_wanted.is_set():
+                if host.stop.is_set() or (cut := self.pause_wanted.is_set()):
                     break
             self.last_loss = sum(losses) / len(losses)
             compute_s = time.perf_counter() - t0
@@ -372,7 +372,7 @@ class Node:
             pending = None
             if host.stop.is_set():  # stopping: no new exchange; the last partial round stays local
                 break
-            if self.pause_wanted.is_set():  # paused: the partial round stays local; resuming re-enters the swarm
+            if cut:  # paused (even if resumed since): the partial round stays local; pause_here re-enters the swarm
                 await pause_here(self)
                 continue
             # Bans are not applied here: every peer must derive the same groups; a banned or unreachable

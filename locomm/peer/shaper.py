@@ -138,17 +138,18 @@ class Shaper:
         return self._gates[key]
 
     def check(self, network: Any) -> None:
-        """Refuse, at start, a cap below the swarm's floor rate (``network.min_rate_mbit`` of the run spec):
-        partners would cut every transfer of ours. Raises ConfigError with the fix."""
+        """Refuse, at start, a cap below ``HEADROOM`` x the swarm's floor rate (``network.min_rate_mbit`` of the run
+        spec): partners would cut transfers of ours held at the floor. Raises ConfigError with the fix."""
         floor = float(network.min_rate_mbit)
+        need = HEADROOM * floor
         for flag, cap, who in (
             ("--max-upload-mbit", self.up_mbit, "partners would cut your uploads (pushes, served state sync)"),
             ("--max-download-mbit", self.down_mbit, "senders would cut their transfers to you"),
         ):
-            if cap is not None and floor > 0 and cap < floor:
+            if cap is not None and floor > 0 and cap < need:
                 raise ConfigError(
-                    f"{flag} {cap:g} is below the swarm's floor rate network.min_rate_mbit={floor:g}: {who}; "
-                    f"raise the cap to at least {floor:g}, or join a run whose spec sets a lower floor"
+                    f"{flag} {cap:g} is below {HEADROOM:g}x the swarm's floor rate network.min_rate_mbit={floor:g}: "
+                    f"{who}; raise the cap to at least {need:g}, or join a run whose spec sets a lower floor"
                 )
 
     def view(self) -> dict[str, Any]:

@@ -103,7 +103,7 @@ _PARSE = {
     "started": _bool,
     "finished": _bool,
     "paused": _bool,
-    "eta_s": _opt_float,
+    "eta_s": lambda v: None if v is None else _nonneg(v),
     "loss": _opt_float,
     "val_loss": _opt_float,
     "tokens_per_s": _nonneg,
@@ -274,8 +274,9 @@ def robust_top(values: Iterable[int], slack: int = 1) -> int:
 
 
 def swarm_round(beats: Iterable[Heartbeat]) -> int:
-    """The swarm's round as a joiner should take it: :func:`robust_top` of the admitted peers' rounds."""
-    return robust_top(b.round for b in beats if b.admitted)
+    """The swarm's round as a joiner should take it: :func:`robust_top` of the admitted peers' rounds (a paused
+    peer's is where it stopped, not the swarm's)."""
+    return robust_top(b.round for b in beats if b.admitted and not b.paused)  # a paused round stays behind
 
 
 def live(beats: Iterable[Heartbeat], now: float, fresh_s: float, *, stage: int | None = None) -> list[Heartbeat]:

@@ -302,3 +302,18 @@ class Launcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def wait_until(
+    cond: Callable[[], Any], timeout: float, what: str, peers: Sequence[PeerProcess] = (), poll_s: float = 0.2
+) -> None:
+    """Poll ``cond`` until it is true; TimeoutError(``what``) after ``timeout`` s, and an AssertionError with its
+    log tail as soon as one of ``peers`` exits non-zero."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        for p in peers:
+            assert p.poll() is None or p.returncode == 0, p.tail()
+        time.sleep(poll_s)
+    raise TimeoutError(what)

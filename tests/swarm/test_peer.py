@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from locomm.config import RunSpec
 from locomm.data import load_corpus
 from locomm.sim import Simulator
-from locomm.testing.launcher import Launcher, PeerProcess
+from locomm.testing.launcher import Launcher, PeerProcess, wait_until
 from locomm.train import Trainer
 
 pytestmark = pytest.mark.timeout(420)
@@ -76,17 +76,6 @@ def run_pair(tmp_path: Path, cfg: Path, *args: str, launcher: Launcher | None = 
         if launcher is None:
             peers.close()
     return pair
-
-
-def wait_until(cond, timeout: float, what: str, peers=()) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        for p in peers:
-            assert p.poll() is None or p.returncode == 0, p.tail()
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 def flat(path: Path) -> torch.Tensor:

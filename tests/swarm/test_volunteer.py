@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from locomm.config import RunSpec
-from locomm.testing.launcher import Launcher, PeerProcess
+from locomm.testing.launcher import Launcher, PeerProcess, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -35,15 +34,14 @@ def spec_file(tmp: Path, steps: int = 400) -> Path:
     return path
 
 
-def wait_until(cond, timeout: float, what: str, peers=()) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        for p in peers:
-            assert p.poll() is None or p.returncode == 0, p.tail()
-        time.sleep(0.2)
-    raise TimeoutError(what)
+def start_three(launcher: Launcher, cfg: Path, dirs: list[Path], until: int) -> list[PeerProcess]:
+    """Three peers (shards i/3, a checkpoint folder each) that start together and train to round ``until``."""
+    end = ("--until-round", str(until), "--wait-for-peers", "3", "--eval-every", "0")
+    peers: list[PeerProcess] = []
+    for i in range(3):
+        args = (*end, "--checkpoint-dir", str(dirs[i]), "--shard", f"{i}/3")
+        peers.append(launcher.start(f"p{i}", *args, config=cfg, initial_peers=peers[0].address() if peers else None))
+    return peers
 
 
 def control(cmd: str, checkpoint_dir: Path) -> subprocess.CompletedProcess:
@@ -65,12 +63,7 @@ def test_pause_and_resume(tmp_path, launcher):
     """A paused peer stops training, says so, and nobody waits for it; resumed, it enters again and finishes."""
     cfg = spec_file(tmp_path)
     dirs = [tmp_path / f"c{i}" for i in range(3)]
-    end = ("--until-round", "24", "--wait-for-peers", "3", "--eval-every", "0")
-    peers = [launcher.start("p0", *end, "--checkpoint-dir", str(dirs[0]), "--shard", "0/3", config=cfg)]
-    boot = peers[0].address()
-    for i in (1, 2):
-        args = (*end, "--checkpoint-dir", str(dirs[i]), "--shard", f"{i}/3")
-        peers.append(launcher.start(f"p{i}", *args, config=cfg, initial_peers=boot))
+    peers = start_three(launcher, cfg, dirs, 24)
     wait_until(lambda: min(p.round() for p in peers) >= 3, 180, "3 peers reach round 3", peers)
 
     bad = control("pause", tmp_path / "nowhere")
@@ -108,12 +101,7 @@ def test_swarm_restarts_from_checkpoints(tmp_path):
     cfg = spec_file(tmp_path)
     dirs = [tmp_path / f"c{i}" for i in range(3)]
     with Launcher(tmp_path / "first", grace_s=5.0) as first:
-        end = ("--until-round", "4", "--wait-for-peers", "3", "--eval-every", "0")
-        peers = [first.start("p0", *end, "--checkpoint-dir", str(dirs[0]), "--shard", "0/3", config=cfg)]
-        boot = peers[0].address()
-        for i in (1, 2):
-            args = (*end, "--checkpoint-dir", str(dirs[i]), "--shard", f"{i}/3")
-            peers.append(first.start(f"p{i}", *args, config=cfg, initial_peers=boot))
+        peers = start_three(first, cfg, dirs, 4)
         for p in peers:
             assert p.wait(timeout=240) == 0, p.tail()
     stopped = {p.name: p.events("finished")[0] for p in peers}

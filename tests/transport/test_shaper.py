@@ -185,11 +185,11 @@ def test_a_cancelled_taker_gives_its_tokens_back():
 
 def test_check_refuses_a_cap_below_the_floor_and_max_concurrent_keeps_it():
     net = NetworkConfig(min_rate_mbit=10.0)
-    with pytest.raises(ConfigError, match=r"--max-upload-mbit 4 is below the swarm's floor rate .*min_rate_mbit=10"):
+    with pytest.raises(ConfigError, match=r"--max-upload-mbit 4 is below 1.25x the swarm's floor .*min_rate_mbit=10"):
         Shaper(4, None).check(net)
-    with pytest.raises(ConfigError, match="--max-download-mbit 9.5"):
-        Shaper(None, 9.5).check(net)
-    Shaper(10, 10).check(net)
+    with pytest.raises(ConfigError, match="--max-download-mbit 12"):  # at the floor, but without the headroom
+        Shaper(None, 12).check(net)
+    Shaper(12.5, 12.5).check(net)
     Shaper(4, None).check(NetworkConfig(min_rate_mbit=2.0))
     s = Shaper(25, 40)
     floor = net.min_rate_mbit * MBIT

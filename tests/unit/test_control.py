@@ -13,7 +13,7 @@ import torch
 from locomm.checkpoint import SPEC_KEY, Checkpoint, CheckpointError, checkpoint_spec, save_checkpoint
 from locomm.config import RunSpec
 from locomm.peer.control import ControlError, ControlServer, control_path, control_request
-from locomm.protocol.membership import Heartbeat, members_for_round
+from locomm.protocol.membership import Heartbeat, members_for_round, swarm_round
 
 
 async def _serving(tmp_path, handlers):
@@ -45,6 +45,14 @@ async def test_commands_answer_and_socket_is_owner_only(tmp_path):
                 return s.recv(4096)
 
         assert b'"ok": false' in await asyncio.to_thread(garbage)
+
+        def nested() -> bytes:  # json's recursion limit: an error answer, not an unhandled exception
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(tmp_path / "control.sock"))
+                s.sendall(b"[" * 4000 + b"\n")
+                return s.recv(4096)
+
+        assert b'"ok": false' in await asyncio.to_thread(nested)
         # A second peer on the same folder is refused while the first one serves.
         with pytest.raises(ControlError, match="another peer"):
             await ControlServer(control_path(tmp_path), {}).start()
@@ -115,3 +123,10 @@ def test_a_paused_peer_is_a_member_of_no_round_from_its_own():
     parsed = Heartbeat.parse("c", {**beats[2].record(), "eta_s": 1.5})
     assert parsed is not None and parsed.paused and parsed.eta_s == 1.5
     assert Heartbeat.parse("c", {**beats[2].record(), "paused": "yes"}) is None
+    assert Heartbeat.parse("c", {**beats[2].record(), "eta_s": -1.0}) is None
+
+
+def test_paused_peers_do_not_hold_the_swarm_round_back():
+    """Two of three paused at round 5, one live at 100: a joiner (or a resuming peer) takes 100, not 5."""
+    beats = [Heartbeat(peer="a", round=5, paused=True), Heartbeat(peer="b", round=5, paused=True)]
+    assert swarm_round([*beats, Heartbeat(peer="c", round=100)]) == 100

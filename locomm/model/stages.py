@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from locomm.config import RunSpec
 from locomm.model.llama import LlamaModel, rms_norm
@@ -154,6 +155,8 @@ class StageModule(nn.Module):
         self.register_buffer("E_f", geo.E_f.clone(), persistent=False)
         self.max_seq_len = full.cfg.max_seq_len
         self.norm_eps = full.cfg.norm_eps
+        self.checkpointing = False
+        """Recompute each block in backward (a memory plan's choice, as ``LlamaModel.checkpointing``)."""
         if geo.subspace and geo.form == "reparam":
             self._reparameterise()
 
@@ -187,8 +190,13 @@ class StageModule(nn.Module):
         elif h is None:
             raise ValueError(f"stage {self.stage} needs the previous stage's output")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for i in self.layer_ids:
-            h = self._block(self.layers[str(i)], h, cos, sin)
+            blk = self.layers[str(i)]
+            if recompute:
+                h = checkpoint(self._block, blk, h, cos, sin, use_reentrant=False)
+            else:
+                h = self._block(blk, h, cos, sin)
         if not self.last:
             return h
         return self.head(self.norm(h))

@@ -113,7 +113,7 @@ class MemoryPlan:
             ),
             ("micro-batch", micro),
             ("autocast", ac),
-            ("checkpointing", "on" if self.checkpointing else "off (not in stage mode)" if self.stage_mode else "off"),
+            ("checkpointing", "on" if self.checkpointing else "off"),
             ("weights", g(self.weights_bytes)),
             ("gradients", g(self.grads_bytes)),
             ("optimizer", f"{g(self.optimizer_bytes)} ({self.optimizer})"),
@@ -246,12 +246,12 @@ def plan_memory(
     cuda = dev.type == "cuda"
     stage_mode = spec.pipeline.stages > 1
     first = [(True, False)] if cuda and prefer_autocast else [(False, False)] + ([(True, False)] if cuda else [])
-    if stage_mode:
-        sizes, tiers = [spec.pipeline.micro_batch_size], first
+    if stage_mode:  # a stage's micro-batch is the spec's; checkpointing (and autocast) is what it can change
+        sizes = [spec.pipeline.micro_batch_size]
     else:
         b = spec.data.batch_size
         sizes = [m for m in range(b, 0, -1) if b % m == 0]
-        tiers = [*first, (cuda, True)]
+    tiers = [*first, (cuda, True)]
     for autocast, ckpt in tiers:
         for m in sizes:
             est = estimate(spec, m, autocast=autocast, checkpointing=ckpt)

@@ -16,8 +16,9 @@ optimizer and re-projects W_o, W_2 and E_learn onto span(U).
 
 Memory plans (:mod:`locomm.train.plan`): a stage's micro-batch is the spec's
 ``pipeline.micro_batch_size`` and it accumulates those itself, so a plan here
-sets only bf16 autocast (on CUDA); the stage modules are not checkpointed.
-Without a plan the stage runs in fp32, as before.
+sets bf16 autocast (on CUDA) and activation checkpointing per block (every graph
+in flight then keeps only its block inputs). Without a plan the stage runs in
+fp32, as before.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class StageWorker:
         self.geo = geo or Geometry.of(spec)
         self.device = torch.device(device)
         self.module = (module or build_stage(spec, stage, self.geo)).to(self.device)
+        self.module.checkpointing = plan is not None and plan.checkpointing
         self.stage = self.module.stage
         self.optimizer = build_optimizer(self.module.parameters(), spec.inner)
         self.micro_per_step = spec.data.batch_size // spec.pipeline.micro_batch_size

@@ -170,3 +170,32 @@ def test_prefer_autocast_starts_with_bf16_on_cuda_only():
     assert not plan_memory(spec, device="cuda", max_memory_gb=24).autocast
     assert plan_memory(spec, device="cuda", max_memory_gb=24, prefer_autocast=True).autocast
     assert not plan_memory(spec, device="cpu", max_memory_gb=24, prefer_autocast=True).autocast
+
+
+@pytest.mark.parametrize("branch_norm", [False, True])
+def test_a_checkpointed_stage_gives_the_same_gradients(nano_spec, branch_norm):
+    """A pipeline stage recomputing its blocks in backward (a plan's checkpointing) moves the same gradients, into
+    its parameters and back to the previous stage."""
+    from locomm.model.stages import build_stage  # noqa: PLC0415
+
+    spec = nano_spec.replace("pipeline", stages=2, branch_norm=branch_norm)
+    grads = []
+    for on in (False, True):
+        stage = build_stage(spec, 1)
+        stage.train()
+        stage.checkpointing = on
+        h = torch.randn(2, 16, spec.model.d_model, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        stage(tokens, h).square().mean().backward()
+        grads.append([h.grad.clone(), *(p.grad.clone() for p in stage.parameters())])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_plan_checkpoints_when_fp32_does_not_fit():
+    spec = RunSpec.preset("small").replace("pipeline", stages=2, micro_batch_size=4, in_flight=4)
+    roomy = plan_memory(spec, device="cuda", max_memory_gb=64)
+    assert roomy.stage_mode and not roomy.checkpointing and not roomy.autocast
+    need = estimate(spec, 4, autocast=True, checkpointing=True)["peak"]
+    tight = plan_memory(spec, device="cuda", max_memory_gb=need / GIB / 0.85)
+    assert tight.checkpointing and tight.autocast and tight.micro_batch == 4

@@ -8,7 +8,8 @@ Two hosts on one unshaped bridge (locomm/testing/netlab.py), each running a real
   ``--streams`` parallel links back to back for ``--seconds``, every link opened by ``rpc.open_link`` (so
   it picks the shaper up from its P2P, as gossip's pushes do). Then the same without a cap, for contrast.
 - ``--level peer``: ``locomm-peer join`` peers (``--peers``, ``--config``), peer 0 started with
-  ``--max-upload-mbit --cap``; the same sampling on peer 0's veth. Needs the host to hand
+  ``--max-upload-mbit --cap`` (``--direction down``: ``--max-download-mbit``, its veth's ``rx_bytes``); the same
+  sampling on peer 0's veth. Needs the host to hand
   ``Shaper(opts.max_upload_mbit, ...)`` to its RpcServer.
 
 The sampler reads ``/sys/class/net/eth0/statistics/tx_bytes`` in the sender's namespace every second
@@ -128,8 +129,8 @@ async def sender(ip: str, target: str, cap: float | None, seconds: float, stream
 # ------------------------------------------------------------------------------ the bench
 
 
-def tx_bytes(host: Any) -> int:
-    return int(host.run(["cat", "/sys/class/net/eth0/statistics/tx_bytes"], timeout=10).stdout)
+def tx_bytes(host: Any, counter: str = "tx_bytes") -> int:
+    return int(host.run(["cat", f"/sys/class/net/eth0/statistics/{counter}"], timeout=10).stdout)
 
 
 def busiest(samples: list[tuple[float, int]], window: float) -> dict[str, Any] | None:
@@ -167,13 +168,13 @@ def read_json_line(proc: subprocess.Popen, timeout: float) -> dict[str, Any]:
     raise TimeoutError("no JSON line in time")
 
 
-def sample_until(host: Any, done: Any, limit_s: float) -> list[tuple[float, int]]:
-    samples = [(time.monotonic(), tx_bytes(host))]
+def sample_until(host: Any, done: Any, limit_s: float, counter: str = "tx_bytes") -> list[tuple[float, int]]:
+    samples = [(time.monotonic(), tx_bytes(host, counter))]
     end = samples[0][0] + limit_s
     while not done() and time.monotonic() < end:
         nxt = samples[-1][0] + 1.0
         time.sleep(max(0.0, nxt - time.monotonic()))
-        samples.append((time.monotonic(), tx_bytes(host)))
+        samples.append((time.monotonic(), tx_bytes(host, counter)))
     return samples
 
 
@@ -237,7 +238,7 @@ def peer_case(lab: Any, args: Any, cap: float | None) -> dict[str, Any]:
     with Launcher(folder, grace_s=5.0, stop_signal=signal.SIGINT, threads=None, env=env, cwd=_harness.REPO) as peers:
 
         def launch(i: int, initial: str | None) -> Any:
-            extra = ["--max-upload-mbit", str(cap)] if i == 0 and cap else []
+            extra = [f"--max-{args.direction}load-mbit", str(cap)] if i == 0 and cap else []
             return peers.start(
                 f"peer{i}",
                 *("--until-round", str(args.rounds), "--shard", f"{i}/{args.peers}"),
@@ -253,12 +254,14 @@ def peer_case(lab: Any, args: Any, cap: float | None) -> dict[str, Any]:
         p0 = launch(0, None)
         boot = p0.address(timeout=180, ip=hosts[0].ip)
         rest = [launch(i, boot) for i in range(1, args.peers)]
-        samples = sample_until(hosts[0], lambda: p0.poll() is not None, args.timeout)
+        counter = "tx_bytes" if args.direction == "up" else "rx_bytes"
+        samples = sample_until(hosts[0], lambda: p0.poll() is not None, args.timeout, counter)
         for p in rest:
             p.stop()
     best = busiest(samples, args.window)
     return {
         "cap_mbit": cap,
+        "direction": args.direction,
         "peers": args.peers,
         "config": str(args.config),
         "rounds": args.rounds,
@@ -275,6 +278,9 @@ def main() -> int:
     ap = _harness.parser(__doc__, out="caps.json")
     ap.add_argument("--role", choices=("bench", "rx", "tx"), default="bench", help=argparse_hidden())
     ap.add_argument("--level", choices=("rpc", "peer"), default="rpc")
+    ap.add_argument(
+        "--direction", choices=("up", "down"), default="up", help="peer: cap peer 0's upload or its download"
+    )
     ap.add_argument("--cap", type=float, default=20.0, help="Upload cap of the sender, Mbit/s")
     ap.add_argument("--seconds", type=float, default=80.0, help="rpc: how long the capped sender pushes")
     ap.add_argument("--uncapped-seconds", type=float, default=20.0, help="rpc: how long the uncapped one pushes")

@@ -207,7 +207,7 @@ def join(
             if attack not in ATTACKS:
                 raise ConfigError(f"--attack: one of {', '.join(ATTACKS)}; got {attack!r}")
         if plan_only:
-            from locomm.train import plan_memory, resolve_device  # noqa: PLC0415 - imports torch
+            from locomm.train import peer_plan, resolve_device  # noqa: PLC0415 - imports torch
 
             try:
                 dev = resolve_device(device)
@@ -215,7 +215,9 @@ def join(
                 if max_memory is None:
                     raise ConfigError(f"{e}; pass --max-memory to plan for a device this machine lacks") from None
                 dev = device
-            plan = plan_memory(spec, device=dev, max_memory_gb=max_memory, prefer_autocast=True)
+            plan = peer_plan(spec, device=dev, max_memory_gb=max_memory)
+            if plan is None:
+                raise ConfigError(f"--plan: no free-memory reading for device {device}; pass --max-memory")
             if as_json:
                 emit_json(plan.as_json())
             else:
@@ -256,7 +258,6 @@ def join(
         max_upload_mbit=max_upload_mbit,
         max_download_mbit=max_download_mbit,
         eval_every=eval_every,
-        resume_from=resume_from,
         verbose=verbose,
         quiet=quiet,
         **({"stage": stage} if stage is not None else {}),

@@ -62,11 +62,14 @@ STOP_HANDOVER_S = 10.0
 """After Ctrl-C, how long a leaving peer serves its last payload to partners that have not had it yet."""
 
 
-async def enter_swarm(node: Node, resumed: bool) -> None:
-    """Pick the round to join at; download state from live peers unless we resumed our own."""
+async def enter_swarm(node: Node, resumed: bool | None) -> None:
+    """Pick the round to join at; download state from live peers unless we resumed our own. ``resumed=None``
+    (back from a pause): our own state is current unless the swarm moved past our round."""
     host = node.host
     beats = [b for b in await host.read_beats() if b.peer != host.me]
     top = swarm_round(beats)
+    if resumed is None:
+        resumed = top <= node.round
     if all(not b.started for b in beats) and (top == 0 or (resumed and top == node.round)):
         # Nobody has trained yet (a new swarm, or a stopped one restarting from checkpoints of one round): start
         # together.
@@ -253,10 +256,9 @@ async def pause_here(node: Node) -> None:
     if host.stop.is_set():  # leaving while paused: leave_swarm's final heartbeat follows
         return
     paused_at = node.round
-    top = swarm_round([b for b in await host.read_beats() if b.peer != host.me])
     # Still marked paused while it syncs: a partner that read our new join round before the download ended would
     # plan us into rounds we miss, and wait out their deadlines for us.
-    await enter_swarm(node, resumed=top <= paused_at)
+    await enter_swarm(node, resumed=None)
     if host.stop.is_set():  # stopped while it synced: it leaves as it was, paused
         return
     await host.compute(node._snapshot, node.round)  # joiners get the state we train from now, not the paused one
@@ -269,14 +271,12 @@ async def pause_here(node: Node) -> None:
 def device_and_plan(host: Host) -> tuple[Any, Any]:
     """The device and the memory plan of ``--max-memory`` (``train/plan.py``), logged as a ``plan`` event. Call it in
     the compute thread before the model is on the device (the device's free memory is the default budget)."""
-    from locomm.train import plan_memory, resolve_device  # noqa: PLC0415 - imports torch
+    from locomm.train import peer_plan, resolve_device  # noqa: PLC0415 - imports torch
 
     device = resolve_device(host.opts.device)
-    if device.type not in ("cpu", "cuda") and host.opts.max_memory_gb is None:
-        return device, None  # no free-memory reading for this device type: the batch as one step, as before
-    # bf16 first on CUDA as the trainer always did; a pipeline stage stays fp32 unless it must shrink.
-    data_parallel = host.spec.pipeline.stages < 2
-    plan = plan_memory(host.spec, device=device, max_memory_gb=host.opts.max_memory_gb, prefer_autocast=data_parallel)
+    plan = peer_plan(host.spec, device=device, max_memory_gb=host.opts.max_memory_gb)
+    if plan is None:
+        return device, None
     host.events.write("plan", **plan.as_json())
     log.info("memory plan:\n%s", plan.describe())
     return device, plan

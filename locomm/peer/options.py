@@ -82,9 +82,6 @@ class NodeOptions:
     """Cap on this peer's download, the same way."""
     eval_every: int | None = None
     """Rounds between validation evaluations (0: only at start and end); None: from spec.train.eval_interval."""
-    resume_from: Path | None = None
-    """Restart a stopped swarm from this checkpoint folder: publish the run spec it was trained under and
-    continue from its round (``join --resume-from``)."""
     control: bool = True
     """Serve ``locomm-peer pause``/``resume`` on a local socket next to the checkpoint folder (owner only)."""
 

@@ -4,7 +4,7 @@
 passed to :class:`Trainer` or :class:`~locomm.train.stage.StageWorker` applies it.
 """
 
-from locomm.train.plan import MemoryPlan, plan_memory
+from locomm.train.plan import MemoryPlan, peer_plan, plan_memory
 from locomm.train.trainer import Trainer, TrainResult, resolve_device, train
 
-__all__ = ["MemoryPlan", "TrainResult", "Trainer", "plan_memory", "resolve_device", "train"]
+__all__ = ["MemoryPlan", "TrainResult", "Trainer", "peer_plan", "plan_memory", "resolve_device", "train"]

@@ -267,6 +267,16 @@ def plan_memory(
     )
 
 
+def peer_plan(spec: RunSpec, *, device: str | torch.device, max_memory_gb: float | None = None) -> MemoryPlan | None:
+    """The plan a peer trains on (and ``join --plan`` prints): bf16 first on CUDA for the whole model, as the
+    trainer always did; a pipeline stage fp32 first. None on a device without a free-memory reading (not CPU,
+    not CUDA) when no budget is given: the batch then runs as one step, as before plans."""
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda") and max_memory_gb is None:
+        return None
+    return plan_memory(spec, device=dev, max_memory_gb=max_memory_gb, prefer_autocast=spec.pipeline.stages < 2)
+
+
 def _plan(
     spec: RunSpec,
     dev: torch.device,

@@ -248,9 +248,11 @@ def run_swarm(
     keep: Path | None = None,
     peer_args: tuple[str, ...] = (),
     eval_every: int = 1,
+    islands: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Run ``peers`` data-parallel peers for ``rounds`` outer rounds, each evaluating every ``eval_every``
-    rounds (0: at the start and the end only); the summary of what they report."""
+    rounds (0: at the start and the end only); the summary of what they report. ``islands=(K, N)``: the first
+    K*N peers form K islands of N (``join --island``)."""
     console = Console(stderr=True)
     t0 = time.perf_counter()
     with _scratch("locomm-swarm-") as (folder, reaper):
@@ -261,7 +263,13 @@ def run_swarm(
                 *("--until-round", str(rounds), "--final-weights", str(folder / f"peer{i}.safetensors")),
                 *("--shard", f"{i}/{peers}", "--checkpoint-dir", str(folder / f"ckpt{i}")),
                 *("--wait-for-peers", str(peers), "--eval-every", str(eval_every), *peer_args),
+                *island_args(i),
             ]
+
+        def island_args(i: int) -> list[str]:
+            if islands is None or i >= islands[0] * islands[1]:
+                return []
+            return ["--island", f"island{i // islands[1]}", "--island-size", str(islands[1])]
 
         with group:
             group.start([*args(0), "--announce-file", str(folder / "peer0.addr")])

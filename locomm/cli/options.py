@@ -73,6 +73,17 @@ def parse_pipeline(text: str) -> tuple[int, int]:
     return s, r
 
 
+def parse_islands(text: str) -> tuple[int, int]:
+    """(islands, size) from ``--islands KxN``."""
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--islands: expected ISLANDSxSIZE such as 2x2, got {text!r}") from None
+    if not 1 <= k <= 16 or not 2 <= n <= 16:
+        raise ConfigError(f"--islands: need 1-16 islands of 2-16 peers, got {text!r}")
+    return k, n
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """(index, count) from ``--shard INDEX/COUNT``."""
     try:

@@ -19,6 +19,7 @@ from locomm.cli.options import (
     emit_json,
     fail,
     load_spec,
+    parse_islands,
     parse_pipeline,
     parse_shard,
     swarm_key_option,
@@ -114,6 +115,11 @@ from locomm.config import ConfigError
 @click.option("--max-download-mbit", type=float, help="Cap this peer's download (all streams and services).")
 @click.option("--eval-every", type=int, help="Rounds between validation evaluations (0: start and end only).")
 @click.option(
+    "--island",
+    help="Train with the peers of this island name as one worker, SCAPE every step (a fast link between them).",
+)
+@click.option("--island-size", type=int, default=2, show_default=True, help="How many peers the island has.")
+@click.option(
     "--resume-from",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Restart a stopped swarm from this checkpoint folder: its spec and round (and checkpoint here).",
@@ -156,6 +162,8 @@ def join(
     max_upload_mbit: float | None,
     max_download_mbit: float | None,
     eval_every: int | None,
+    island: str | None,
+    island_size: int,
     resume_from: Path | None,
     as_json: bool,
     quiet: bool,
@@ -188,6 +196,8 @@ def join(
                 raise ConfigError(f"--max-{name}: must be > 0, got {v}")
         if eval_every is not None and eval_every < 0:
             raise ConfigError(f"--eval-every: must be >= 0, got {eval_every}")
+        if island is not None and (stage is not None or not 2 <= island_size <= 64 or not 0 < len(island) <= 64):
+            raise ConfigError("--island: a name of 1-64 characters, --island-size in [2, 64], and no --stage")
         if resume_from is not None:
             if initial_peers:
                 raise ConfigError("--resume-from restarts a stopped swarm; to rejoin a running one, drop it")
@@ -258,6 +268,9 @@ def join(
         max_upload_mbit=max_upload_mbit,
         max_download_mbit=max_download_mbit,
         eval_every=eval_every,
+        island=island,
+        island_size=island_size,
+        island_digest=os.environ.get("LOCOMM_ISLAND_DIGEST") == "1",
         verbose=verbose,
         quiet=quiet,
         **({"stage": stage} if stage is not None else {}),
@@ -293,6 +306,12 @@ def join(
     help="STAGESxREPLICAS, e.g. 2x2: pipeline mode, one peer per "
     "stage replica (--peers is ignored); --rounds x --inner-steps optimizer steps.",
 )
+@click.option(
+    "--islands",
+    "islands_shape",
+    help="ISLANDSxSIZE, e.g. 2x2: the first ISLANDS*SIZE peers form islands of SIZE peers (SCAPE every step, "
+    "AdamS inside), joined by the outer algorithm; --peers grows to cover them.",
+)
 @click.option("--no-subspace", is_flag=True, help="With --pipeline: send activations uncompressed (comparison).")
 @click.option("--kill-at-step", type=int, hidden=True, help="With --pipeline: SIGKILL a stage-1 replica here.")
 @click.option("--join-auto-at-step", type=int, hidden=True, help="With --pipeline: start a --stage auto joiner.")
@@ -311,6 +330,7 @@ def swarm(
     plot: Path,
     keep: Path | None,
     pipeline_shape: str | None,
+    islands_shape: str | None,
     no_subspace: bool,
     kill_at_step: int | None,
     join_auto_at_step: int | None,
@@ -357,6 +377,9 @@ def swarm(
             sys.exit(1)
         return
     try:
+        islands = parse_islands(islands_shape) if islands_shape is not None else None
+        if islands is not None:
+            peers = max(peers, islands[0] * islands[1])
         if not 2 <= peers <= 32:
             raise ConfigError(f"--peers: must be in [2, 32], got {peers}")
         if rounds < 1:
@@ -365,6 +388,8 @@ def swarm(
         spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps is not None else {}))
         if rounds * spec.outer.inner_steps > spec.train.steps:  # the LR schedule spans the whole run
             spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)
+        if islands is not None and spec.inner.name != "adams":  # SCAPE's masks come from AdamS's first moment
+            spec = spec.replace("inner", name="adams")
     except ConfigError as e:
         fail(str(e))
     from locomm.cli.local_swarm import run_swarm  # noqa: PLC0415
@@ -378,6 +403,7 @@ def swarm(
         keep=keep,
         peer_args=peer_args,
         eval_every=eval_every,
+        islands=islands,
     )
     if as_json:
         emit_json(summary)

@@ -69,6 +69,13 @@ class OuterConfig:
     sparseloco_clip: str = "none"
     """'median': before the mean, each sender's update to a tensor is scaled down to the median norm of the
     round's senders for that tensor (the public code's robustness step); 'none' (the paper's box)."""
+    scape_sparsity: float = 0.9
+    """SCAPE's per-step sync inside an island (docs/algorithms.md §5): the fraction of coordinates NOT sent, in
+    [0, 1) (0.9 and 0.99 in the paper; 0 is dense AdamS data parallelism). Distinct from ``sparse_density``,
+    SparseLoCo's share that IS sent once a round."""
+    scape_error_feedback: bool = True
+    """SCAPE: keep the off-mask part of each step's gradient in a local residual, added to the next step's
+    (error feedback), or drop it (false)."""
     seed: int = 0
     """Seed of the per-round group permutations (the same on every worker)."""
 
@@ -90,6 +97,12 @@ class OuterConfig:
         fraction(self, "momentum", "noloco_beta", "gasloc_gamma", "sparse_ef_beta", closed_high=False)
         fraction(self, "gasloc_mix")
         fraction(self, "participation", "sparse_density", closed_low=False)
+        fraction(self, "scape_sparsity", closed_high=False)
+        check(
+            isinstance(self.scape_error_feedback, bool),
+            "scape_error_feedback",
+            f"must be true or false, got {self.scape_error_feedback!r}",
+        )
 
     @property
     def gamma(self) -> float:

@@ -280,3 +280,32 @@ def device_and_plan(host: Host) -> tuple[Any, Any]:
     host.events.write("plan", **plan.as_json())
     log.info("memory plan:\n%s", plan.describe())
     return device, plan
+
+
+def node_summary(node: Node, initial_val: float, final_val: float, first_heartbeat_s: float) -> dict[str, Any]:
+    """What a data-parallel peer reports at exit (its ``finished`` event and ``--json`` line)."""
+    g, h = node.gossip.stats, node.host
+    counted = ("exchanges_ok", "exchanges_failed", "bytes_undelivered", "pushes_ok", "pushes_failed", "pulls")
+    counted += ("gave_up", "gone_skipped", "gave_up_on")
+    return {
+        "peer": h.me,
+        "rounds_completed": node.round,
+        "initial_loss": initial_val,
+        "final_loss": final_val,
+        "bytes_sent": node.bytes_sent(),
+        "bytes_received": node.bytes_received(),
+        **{k: getattr(g, k) for k in counted},
+        "unreachable": g.unreachable,
+        "transfers_cut": h.rpc.stats.cut,
+        "faults": h.faults.total,
+        "banned": len(h.faults.banned),
+        "banned_peers": sorted(h.faults.banned),
+        "wait_s": node.wait_s,
+        "wall_s": time.perf_counter() - node.t_train,
+        "steps": node.trainer.step,
+        "members": node.members,
+        "first_heartbeat_s": first_heartbeat_s,
+        "errors_answered": dict(h.rpc.stats.errors_answered),
+        "interrupted": h.stop.is_set(),
+        **({"island": node.island.summary()} if node.island is not None else {}),
+    }

@@ -37,6 +37,7 @@ from locomm.peer.lifecycle import (
     device_and_plan,
     enter_swarm,
     leave_swarm,
+    node_summary,
     partner_gone,
     pause_here,
     start_control,
@@ -71,6 +72,7 @@ class Node:
         self.roster: Partners
         self._attack_gen = torch.Generator().manual_seed(spec.train.seed)
         self.averager: Any = None
+        self.island: Any = None
         self.round = self.join_round = 0
         self.end_round: int | None = None
         self.round_t0, self.round_s, self.phase = time.time(), 0.0, "starting"
@@ -147,10 +149,10 @@ class Node:
         # A joiner downloads the last outer point (phi) and the outer state.
         self.state_server.snapshot = Snapshot.take(round_idx, state_tensors(self.algo.phi, self.algo))
 
-    def _bytes_sent(self) -> int:
+    def bytes_sent(self) -> int:
         return self.gossip.stats.bytes_sent + self.avg_bytes
 
-    def _bytes_received(self) -> int:
+    def bytes_received(self) -> int:
         return self.gossip.stats.bytes_received + self.avg_bytes
 
     def heartbeat(self) -> Heartbeat:
@@ -175,6 +177,7 @@ class Node:
             partners=self.partners,
             faults=h.faults.total,
             banned=len(h.faults.banned),
+            **(self.island.beat_fields() if self.island is not None else {}),
         )
 
     def _eta_s(self) -> float | None:
@@ -193,8 +196,8 @@ class Node:
             "val_loss": _finite(self.val_loss),
             "tokens_per_s": self.tokens_per_s,
             "members": self.members,
-            "bytes_sent": self._bytes_sent(),
-            "bytes_received": self._bytes_received(),
+            "bytes_sent": self.bytes_sent(),
+            "bytes_received": self.bytes_received(),
             "wait_s": self.wait_s,
         }
 
@@ -239,6 +242,11 @@ class Node:
         self.state_server = StateServer(host.run_id)
         warm = asyncio.get_running_loop().run_in_executor(host.codec_pool, self.codec.warm_up)
         await host.serve(self.gossip.service(), self.state_server.service())
+        if self.opts.island is not None:  # an island member: SCAPE every step (peer/island.py)
+            from locomm.peer.island import Island  # noqa: PLC0415
+
+            self.island = Island(self, self.opts.island, self.opts.island_size)
+            await host.serve(self.island.service())
         if self.spec.outer.algo == "diloco":
             await self._start_averager()
         resumed = await host.compute(self._resume)
@@ -257,6 +265,8 @@ class Node:
             first_heartbeat_at=first_heartbeat_at,
             metrics_port=host.metrics.port,
         )
+        if self.island is not None:  # after up: the other members may be waiting for our address
+            await self.island.form()
         if (n := self.opts.wait_for_peers) > 1:
 
             def admitted(beats: list[Heartbeat]) -> bool:
@@ -277,7 +287,7 @@ class Node:
         await host.compute(self._checkpoint)
         if self.opts.final_weights and not host.stop.is_set():
             await host.compute(save_tensors_atomic, self.opts.final_weights, self.algo.phi)
-        self.summary = self._summary(initial_val, final_val, first_heartbeat_s)
+        self.summary = node_summary(self, initial_val, final_val, first_heartbeat_s)
         host.events.write("finished", **self.summary)
         host.report("finish", self.summary)
         return self.summary
@@ -300,6 +310,8 @@ class Node:
         """The pending round's outer update, one round late, keeping local progress (protocol/rounds.py)."""
         r = self.rounds.settle(self.params(), received)
         self._snapshot(r if r is not None else self.round)
+        if self.island is not None and r is not None:  # the island's followers fetch it (peer/island.py)
+            self.island.settle_done(r, True)
         note_screening(self.host, r, self.rounds.outcome)
 
     async def _exchange(self, round_idx: int, planned: schedule.Planned) -> tuple[dict[str, Any], int]:
@@ -355,12 +367,17 @@ class Node:
             losses, cut = [], False
             # The previous round's exchange runs meanwhile; it is applied exactly one round late whenever it
             # finished (protocol/rounds.py), so the numerics do not depend on the network's speed.
-            for i in range(H):
-                self.step_in_round = i
+            island = self.island
+            self.step_in_round = 0
+            while self.step_in_round < H:  # an island's resync may move the step (peer/island.py)
+                i = self.step_in_round
                 if pending is not None and self.rounds.due(i):
                     await self._finish(pending)
                     pending = None
-                losses.append(await host.compute(self.trainer.train_step))
+                elif island is not None and i == self.rounds.at:
+                    await island.outer_point()  # a follower: the round its representative settled here
+                losses.append(await (island.step() if island else host.compute(self.trainer.train_step)))
+                self.step_in_round += 1
                 if host.stop.is_set() or (cut := self.pause_wanted.is_set()):
                     break
             self.last_loss = sum(losses) / len(losses)
@@ -375,6 +392,14 @@ class Node:
             if cut:  # paused (even if resumed since): the partial round stays local; pause_here re-enters the swarm
                 await pause_here(self)
                 continue
+            if island is not None and not island.leading:  # a follower: no exchange of its own
+                await island.outer_point()
+                await host.compute(island.round_end)
+                self.round += 1
+                wall = time.perf_counter() - t_start
+                host.events.write("round", **self._counters(), island_follower=True, wall_s=wall, compute_s=compute_s)
+                host.publish_soon()
+                continue
             # Bans are not applied here: every peer must derive the same groups; a banned or unreachable
             # partner is skipped at exchange time instead.
             members = members_for_round(
@@ -386,6 +411,8 @@ class Node:
             )
             planned = await host.compute(self.rounds.start, self.round, members, self._sent_params())
             self.roster.planned_round(self.round, planned.exchange.peers)
+            if island is not None:  # its followers will ask for this round's outer update
+                island.planned.add(self.round)
             self.members, self.partners = len(members), len(planned.exchange.peers)
             pending = host.spawn(self._exchange(self.round, planned))
             if not self.opts.overlap:
@@ -399,6 +426,8 @@ class Node:
                 await host.compute(self._checkpoint)
             host.publish_soon()  # fresh round numbers keep joiners' choices right
         await self._finish(pending)
+        if self.island is not None and not host.hurry.is_set():
+            await self.island.outer_point()  # a follower: the last round its representative settled
 
     def _record_round(self, members: list[str], planned: schedule.Planned, compute_s: float, wall: float) -> None:
         host, counters = self.host, self._counters()
@@ -415,32 +444,6 @@ class Node:
             faults=host.faults.total,
         )
         host.report("round_done", self.status())
-
-    def _summary(self, initial_val: float, final_val: float, first_heartbeat_s: float) -> dict[str, Any]:
-        g, h = self.gossip.stats, self.host
-        counted = ("exchanges_ok", "exchanges_failed", "bytes_undelivered", "pushes_ok", "pushes_failed", "pulls")
-        counted += ("gave_up", "gone_skipped", "gave_up_on")
-        return {
-            "peer": h.me,
-            "rounds_completed": self.round,
-            "initial_loss": initial_val,
-            "final_loss": final_val,
-            "bytes_sent": self._bytes_sent(),
-            "bytes_received": self._bytes_received(),
-            **{k: getattr(g, k) for k in counted},
-            "unreachable": g.unreachable,
-            "transfers_cut": h.rpc.stats.cut,
-            "faults": h.faults.total,
-            "banned": len(h.faults.banned),
-            "banned_peers": sorted(h.faults.banned),
-            "wait_s": self.wait_s,
-            "wall_s": time.perf_counter() - self.t_train,
-            "steps": self.trainer.step,
-            "members": self.members,
-            "first_heartbeat_s": first_heartbeat_s,
-            "errors_answered": dict(h.rpc.stats.errors_answered),
-            "interrupted": h.stop.is_set(),
-        }
 
 
 def _finite(x: float) -> float | None:

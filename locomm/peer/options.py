@@ -84,11 +84,20 @@ class NodeOptions:
     """Rounds between validation evaluations (0: only at start and end); None: from spec.train.eval_interval."""
     control: bool = True
     """Serve ``locomm-peer pause``/``resume`` on a local socket next to the checkpoint folder (owner only)."""
+    island: str | None = None
+    """``join --island NAME``: train with the peers of the same island name as one worker, SCAPE every step
+    (``peer/island.py``); None: a peer on its own."""
+    island_size: int = 2
+    """How many peers the island has (it forms when that many have announced the name)."""
+    island_digest: bool = False
+    """Tests only (``LOCOMM_ISLAND_DIGEST=1``): log a hash of the weights after every island step."""
 
     def __post_init__(self) -> None:
         for name in ("max_upload_mbit", "max_download_mbit", "max_memory_gb"):
             if (v := getattr(self, name)) is not None and not v > 0:
                 raise ConfigError(f"{name}: must be > 0, got {v}")
+        if self.island is not None and not (0 < len(self.island) <= 64 and 2 <= self.island_size <= 64):
+            raise ConfigError(f"island: a name of 1-64 characters and a size in [2, 64], got {self.island!r}")
         if self.eval_every is not None and self.eval_every < 0:
             raise ConfigError(f"eval_every: must be >= 0, got {self.eval_every}")
         if self.reachability not in (None, "public", "private"):

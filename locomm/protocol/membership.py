@@ -41,6 +41,7 @@ JOIN_CAP_FRACTION = 0.25
 MAX_ADDRS = 16
 MAX_ADDR_LEN = 256
 MAX_VERSION_LEN = 64
+MAX_ISLAND_LEN = 64
 
 
 class BadField(ValueError):
@@ -121,6 +122,8 @@ _PARSE = {
     "microbatches": lambda v: _int(v, 0, 2**62),
     "rerouted": lambda v: _int(v, 0, 2**62),
     "lost": lambda v: _int(v, 0, 2**62),
+    "island": lambda v: _str(v, MAX_ISLAND_LEN),
+    "island_rep": _bool,
 }
 
 
@@ -170,6 +173,11 @@ class Heartbeat:
     microbatches: int = 0
     rerouted: int = 0
     lost: int = 0
+    # Islands (peer/island.py).
+    island: str = ""
+    """The island this peer trains in ('': none)."""
+    island_rep: bool = False
+    """It represents its island in the outer rounds; the island's other members are members of no round."""
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """Fields this version does not know (a newer peer's), kept for display only."""
 
@@ -246,7 +254,8 @@ def members_for_round(
     heartbeat TTL (any real run) it drops out for everyone at the same round, whenever each one reads.
     A peer that left (``finished``, its final heartbeat) or was paused is a member of no round from its last
     published one on: it exchanged up to the round before. ``me`` is always included (a peer not yet admitted
-    trains alone, and nobody expects it).
+    trains alone, and nobody expects it). An island's members other than its representative take part in no
+    round: the island is one participant.
     """
     beats = list(beats)
     admitted = admission_rounds(beats)
@@ -255,6 +264,7 @@ def members_for_round(
         for h in beats
         if admitted.get(h.peer, NOT_ADMITTED) <= round_idx
         and not ((h.finished or h.paused) and h.round <= round_idx)
+        and not (h.island and not h.island_rep)
         and (h.round >= round_idx - MEMBER_LAG_ROUNDS or now - h.time < fresh_s)
     }
     members.add(me)

@@ -106,6 +106,15 @@ class Trainer:
 
     def train_step(self) -> float:
         """One inner step on the next batch; returns the training loss (nats/byte, the batch's mean)."""
+        loss = self.compute_gradients()
+        self.apply_gradients()
+        return loss
+
+    def compute_gradients(self) -> float:
+        """Forward and backward on the next batch (the plan's accumulation), leaving its mean gradient in
+        ``.grad`` (the optimizer is not stepped); returns the batch's mean training loss (nats/byte).
+
+        A data-parallel sync goes between this and :meth:`apply_gradients` (``sim/scape.py``, islands)."""
         x, y = self.sampler.next()  # the whole batch, as without a plan
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
@@ -118,7 +127,6 @@ class Trainer:
                 loss = self.model(xs, ys)
             (loss / n).backward()
             total += loss.detach()
-        self.apply_gradients()
         return (total / n).item()
 
     def apply_gradients(self) -> None:

@@ -1,0 +1,434 @@
+"""Islands: a few peers on a fast link that train as one data-parallel worker (SCAPE every step), joined to
+the swarm by gossip through one of them, the representative.
+
+``locomm-peer join --island NAME --island-size N``. The N peers that publish the same island name form it; its
+roster (sorted peer ids) gives each a rank, which owns one slice of the SCAPE masks (``protocol/scape.py``). The
+representative is the lowest live peer id; it alone takes part in the outer rounds (``members_for_round`` skips
+the others: their heartbeats say ``island`` without ``island_rep``).
+
+Every inner step (the ``island`` service, on the host's exchange layer):
+
+    every member:  grads -> ScapeSync.plan -> message (values on the mask, its mask slice of the next step)
+    follower:      island.step request to the representative, carrying its message
+    representative: waits for its active followers (or a step deadline), reduces in rank order, and answers
+                   each with the one synchronized buffer (values, the next mask); everyone applies the same
+                   buffer and steps AdamS on it, so the members stay bit-identical
+
+Outer rounds: the representative plans, exchanges and settles as any peer (``peer/node.py``); a follower
+snapshots its weights where the representative planned, and at the step the round lands it fetches the settled
+outer state (``island.outer``: phi and the outer algorithm's buffers) and applies
+``theta <- theta + (phi - theta_sent)``, the arithmetic of ``protocol/rounds.apply_late``.
+
+Failover: a follower whose request to the representative fails (unreachable, broken, cut, or the peer's final
+heartbeat) drops it and takes the lowest live member left; that one leads from its current step, the others
+download its state (``island.state``: weights, AdamS state, step, mask, outer state) and go on from there. A
+follower that the representative dropped for missing a step's deadline does the same when it comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from locomm.config import ConfigError
+from locomm.peer.island_wire import (
+    LeaderLost,
+    MustResync,
+    apply_outer,
+    load_state,
+    read_state,
+    read_synced,
+    read_tensors,
+    state_header,
+    state_of,
+    write_synced,
+    write_tensors,
+)
+from locomm.peer.meter import TransferCut, Unreachable
+from locomm.peer.rpc import Call, Service, open_link
+from locomm.protocol.membership import live
+from locomm.protocol.messages import ErrorCode, ProtocolViolation, envelope
+from locomm.protocol.rounds import snapshot
+from locomm.protocol.scape import ScapeMessage, ScapeSync, Synced, decode_indices, encode_indices, reduce
+
+if TYPE_CHECKING:
+    from locomm.peer.node import Node
+
+log = logging.getLogger(__name__)
+SERVICE = "island"
+NOT_FORMED = "island not formed yet"
+FORM_TIMEOUT_S = 120.0
+
+
+class Island:
+    """One member's side of an island (see the module docstring)."""
+
+    def __init__(self, node: Node, name: str, size: int) -> None:
+        if node.spec.inner.name != "adams":
+            raise ConfigError("--island: SCAPE builds its masks from AdamS's first moment; set inner.name = 'adams'")
+        if not 2 <= size <= 64:
+            raise ConfigError(f"--island-size: must be in [2, 64], got {size}")
+        self.node, self.host, self.name, self.size = node, node.host, name, size
+        self.loop = asyncio.get_running_loop()
+        self.roster: list[str] = []
+        self.leader: str | None = None
+        self.dead: set[str] = set()
+        self.active: set[str] = set()
+        self.inbox: dict[int, dict[str, ScapeMessage]] = {}
+        self.results: dict[int, asyncio.Future[Synced]] = {}
+        self.arrived = asyncio.Event()
+        self.settled: dict[int, dict[str, torch.Tensor] | None] = {}
+        self.settled_event = asyncio.Event()
+        self.sent: dict[int, dict[str, torch.Tensor]] = {}
+        self.planned: set[int] = set()
+        """Rounds this representative planned and has not settled yet (followers wait for those)."""
+        self.need_resync = False
+        self.step_s = 0.0
+        self.stats = {"step_bytes_sent": 0, "step_bytes_received": 0, "outer_bytes": 0, "resync_bytes": 0}
+        self.stats |= {"steps_synced": 0, "resyncs": 0, "failovers": 0, "dropped": 0, "outer_applied": 0}
+        self.digest = ""
+
+    # -- forming -------------------------------------------------------------------
+
+    @property
+    def leading(self) -> bool:
+        return self.leader == self.host.me
+
+    def beat_fields(self) -> dict[str, Any]:
+        return {"island": self.name, "island_rep": self.leading}
+
+    def service(self) -> Service:
+        handlers = {"island.step": self._on_step, "island.outer": self._on_outer, "island.state": self._on_state}
+        return Service(SERVICE, handlers, policy="announced")
+
+    def _live_members(self, beats: list) -> list[str]:
+        net = self.node.spec.network
+        fresh = live(beats, self.host.dht_now(), net.heartbeat_ttl_s)
+        ids = {b.peer for b in fresh if b.island == self.name}
+        return sorted((ids | {self.host.me}) - self.dead)
+
+    async def form(self) -> None:
+        """Wait for the island's ``size`` members, take ranks and the representative, and start identical."""
+
+        def full(beats: list) -> bool:
+            return len(self._live_members(beats)) >= self.size
+
+        await self.host.wait_for(full, FORM_TIMEOUT_S, f"{self.size} members of island {self.name!r}")
+        self.roster = self._live_members(await self.host.read_beats())[: self.size]
+        if self.host.me not in self.roster:
+            raise ConfigError(f"island {self.name!r} already has {self.size} members")
+        shapes = {k: tuple(p.shape) for k, p in self.node.params().items()}
+        outer = self.node.spec.outer
+        self.sync = ScapeSync(
+            shapes,
+            rank=self.roster.index(self.host.me),
+            workers=self.size,
+            sparsity=outer.scape_sparsity,
+            error_feedback=outer.scape_error_feedback,
+        )
+        self.leader = self.roster[0]
+        self.active = set(self.roster) - {self.host.me} if self.leading else set()
+        self.host.events.write("island", name=self.name, roster=self.roster, leader=self.leader)
+        log.info("island %s: %s, representative %s", self.name, [p[-8:] for p in self.roster], self.leader[-8:])
+        if not self.leading:
+            await self._resync()
+
+    def _rank(self, peer: str) -> int:
+        return self.roster.index(peer)
+
+    def _check(self, call: Call, lead: bool = True) -> None:
+        """An island request from a member of ours (to its representative, when ``lead``)."""
+        if not self.roster:
+            raise ProtocolViolation(ErrorCode.NOT_READY, NOT_FORMED)
+        if call.msg.fields.get("island") != self.name or call.remote not in self.roster:
+            raise ProtocolViolation(ErrorCode.UNAUTHORIZED, f"not a member of island {self.name!r}")
+        if lead and not self.leading:
+            raise ProtocolViolation(ErrorCode.NOT_READY, "not the representative")
+
+    # -- one step ------------------------------------------------------------------
+
+    def _moment(self) -> dict[str, torch.Tensor] | None:
+        opt = self.node.trainer.optimizer
+        params = self.node.params()
+        state = [opt.state.get(p) for p in params.values()]
+        if not all(state):
+            return None
+        return {k: s["exp_avg"] for k, s in zip(params, state, strict=True)}
+
+    def _grad_and_plan(self) -> tuple[float, ScapeMessage]:
+        loss = self.node.trainer.compute_gradients()
+        grads = {k: p.grad for k, p in self.node.params().items()}
+        return loss, self.sync.plan(grads, self._moment())
+
+    def _apply(self, synced: Synced) -> None:
+        ghat = self.sync.apply(synced, self._moment())
+        for k, p in self.node.params().items():
+            p.grad.copy_(ghat[k].to(p.grad.device, p.grad.dtype).reshape(p.shape))
+        self.node.trainer.apply_gradients()
+        if self.host.opts.island_digest:
+            h = hashlib.sha256()
+            for p in self.node.params().values():
+                h.update(p.detach().cpu().numpy().tobytes())
+            self.digest = h.hexdigest()[:16]
+
+    async def step(self) -> float:
+        """One synchronized inner step; returns the own batch's loss."""
+        msg: ScapeMessage | None = None
+        while True:
+            if self.need_resync:
+                await self._resync()
+                msg = None
+            t0 = time.perf_counter()
+            sent0, got0 = self.stats["step_bytes_sent"], self.stats["step_bytes_received"]
+            if msg is None:
+                loss, msg = await self.host.compute(self._grad_and_plan)
+            try:
+                synced = await (self._lead(msg) if self.leading else self._follow(msg))
+            except MustResync as e:
+                log.info("island %s: resync (%s)", self.name, e)
+                self.need_resync = True
+                continue
+            except LeaderLost as e:
+                await self._failover(str(e))
+                if not self.leading:
+                    self.need_resync = True
+                continue
+            await self.host.compute(self._apply, synced)
+            self.stats["steps_synced"] += 1
+            self.step_s = (
+                0.8 * self.step_s + 0.2 * (time.perf_counter() - t0) if self.step_s else time.perf_counter() - t0
+            )
+            sent, got = self.stats["step_bytes_sent"], self.stats["step_bytes_received"]
+            self.host.events.write(
+                "island_step",
+                step=synced.step,
+                leader=self.leader,
+                senders=len(synced.senders),
+                values=synced.values.numel(),
+                sent=sent - sent0,
+                received=got - got0,
+                dense=4 * self.sync.numel,
+                **({"digest": self.digest} if self.host.opts.island_digest else {}),
+            )
+            return loss
+
+    def _deadline_s(self) -> float:
+        net = self.node.spec.network
+        return max(net.request_timeout_s, 4.0 * self.step_s)
+
+    async def _lead(self, msg: ScapeMessage) -> Synced:
+        t = msg.step
+        fut = self.results.setdefault(t, asyncio.get_running_loop().create_future())
+        end = time.monotonic() + self._deadline_s()
+        while not self.active <= set(self.inbox.get(t, {})) and time.monotonic() < end:
+            self.arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.arrived.wait(), max(0.01, end - time.monotonic()))
+        got = self.inbox.pop(t, {})
+        want = msg.values.numel()
+        ok = {p: m for p, m in got.items() if m.values.numel() == want}
+        for p in set(got) - set(ok):
+            self.host.faults.record(p, f"island step {t}: {got[p].values.numel()} values, the mask has {want}")
+        late = self.active - set(ok)
+        if late:
+            self.stats["dropped"] += len(late)
+            log.info("island %s step %d: going on without %s", self.name, t, [p[-8:] for p in late])
+            self.active -= late
+        synced = await self.host.rpc.decode(reduce, [msg, *ok.values()])
+        fut.set_result(synced)
+        for old in [s for s in self.results if s < t - 2]:
+            del self.results[old]
+        return synced
+
+    async def _on_step(self, call: Call) -> None:
+        f, remote = call.msg.fields, call.remote
+        self._check(call)
+        t, cur = f.get("step"), self.sync.step
+        if not isinstance(t, int) or t not in (cur, cur + 1):
+            await call.answer(ErrorCode.STALE_ROUND, f"island step {t!r}, we are at {cur}", step=cur)
+            return
+        nv, nm = f.get("nv"), f.get("nm")
+        lo, hi = self.sync.bounds[self._rank(remote)]
+        if not (isinstance(nv, int) and 0 < nv <= self.sync.numel and isinstance(nm, int) and 0 <= nm <= hi - lo):
+            raise ProtocolViolation(ErrorCode.MALFORMED, f"island step: nv={nv!r} nm={nm!r}")
+        values = torch.frombuffer(await call.link.read_part(4 * nv), dtype=torch.float32)
+        raw = await call.link.read_part(6 * nm)
+        if values.numel() != nv or not bool(torch.isfinite(values).all()):
+            raise ProtocolViolation(ErrorCode.NOT_FINITE, "island step: values not finite or of the wrong count")
+        shard = decode_indices(raw, nm, self.sync.numel) if f.get("has_mask") else None
+        if shard is not None and nm and (int(shard[0]) < lo or int(shard[-1]) >= hi):
+            raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, "island step: mask slice outside the sender's slice")
+        self.stats["step_bytes_received"] += 4 * nv + len(raw)
+        self.active.add(remote)
+        self.inbox.setdefault(t, {})[remote] = ScapeMessage(self._rank(remote), t, values.clone(), shard)
+        self.arrived.set()
+        fut = self.results.setdefault(t, asyncio.get_running_loop().create_future())
+        synced = await asyncio.wait_for(asyncio.shield(fut), self._deadline_s() + 30.0)
+        if self._rank(remote) not in synced.senders:
+            await call.answer(ErrorCode.STALE_ROUND, "the step went on without you", step=self.sync.step)
+            return
+        self.stats["step_bytes_sent"] += await write_synced(call, synced)
+
+    async def _request(self, mtype: str, round_idx: int, **fields: Any):  # noqa: ANN202 - a Link
+        h = self.host
+        try:
+            link = await open_link(h.p2p, self.leader, h.rpc.handler_name(SERVICE), h.limits, "recv")
+        except Unreachable as e:
+            raise LeaderLost(f"representative unreachable: {e}") from None
+        await link.write_header(envelope(h.run_id, mtype, round_idx, h.me, island=self.name, **fields))
+        return link
+
+    async def _follow(self, msg: ScapeMessage) -> Synced:
+        vals = msg.values.float().contiguous()
+        shard = encode_indices(msg.mask_shard) if msg.mask_shard is not None else b""
+        nm = 0 if msg.mask_shard is None else msg.mask_shard.numel()
+        extra = self._deadline_s() + 30.0
+        try:
+            link = await self._request(
+                "island.step",
+                self.node.round,
+                step=msg.step,
+                nv=vals.numel(),
+                nm=nm,
+                has_mask=msg.mask_shard is not None,
+            )
+            try:
+                await link.write_part(vals.numpy().tobytes())
+                await link.write_part(shard)
+                self.stats["step_bytes_sent"] += 4 * vals.numel() + len(shard)
+                code, resp = await link.read_answer(extra_s=extra)
+                if code == ErrorCode.STALE_ROUND:
+                    raise MustResync(str(resp.get("msg", "")))
+                if code != ErrorCode.OK:
+                    raise LeaderLost(f"answered {code.name}: {resp.get('msg', '')}")
+                synced, n = await read_synced(link, resp, self.sync)
+                self.stats["step_bytes_received"] += n
+                return synced
+            finally:
+                link.writer.close()
+        except (ConnectionError, TransferCut, asyncio.IncompleteReadError, ProtocolViolation, TimeoutError) as e:
+            raise LeaderLost(f"{type(e).__name__}: {e}") from None
+
+    # -- outer rounds ---------------------------------------------------------------
+
+    def settle_done(self, round_idx: int, applied: bool) -> None:
+        """The representative settled ``round_idx`` (``Node._apply``, on the compute thread): followers may fetch it."""
+        algo = self.node.algo
+        self.settled[round_idx] = {k: v.clone() for k, v in algo.state_dict().items()} if applied else None
+        self.loop.call_soon_threadsafe(self.planned.discard, round_idx)
+        for old in [r for r in self.settled if r < round_idx - 2]:
+            del self.settled[old]
+        self.loop.call_soon_threadsafe(self.settled_event.set)  # we are on the compute thread
+
+    async def _on_outer(self, call: Call) -> None:
+        r = call.msg.round
+        self._check(call, lead=False)
+        end = time.monotonic() + self.node.spec.network.max_wait_s
+        while r not in self.settled and self.leading and time.monotonic() < end:
+            if (r not in self.planned and self.node.round > r) or self.host.stop.is_set():
+                break  # past round r without planning it (it led from later on), or stopping
+            self.settled_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.settled_event.wait(), max(0.01, end - time.monotonic()))
+        state = self.settled.get(r)
+        if state is None:
+            raise ProtocolViolation(ErrorCode.NOT_READY, f"no outer update of round {r} here")
+        self.stats["outer_bytes"] += await write_tensors(call, state)
+
+    async def outer_point(self) -> None:
+        """A follower, where the representative settles: fetch the round it planned and apply it."""
+        if self.leading:
+            return
+        for r in sorted(self.sent):
+            sent = self.sent.pop(r)
+            try:
+                link = await self._request("island.outer", r)
+                try:
+                    code, resp = await link.read_answer(extra_s=self.node.spec.network.max_wait_s)
+                    if code != ErrorCode.OK:
+                        log.info("island %s: round %d not applied: %s", self.name, r, resp.get("msg", code.name))
+                        continue
+                    want = {k: tuple(v.shape) for k, v in self.node.algo.state_dict().items()}
+                    state, n = await read_tensors(link, resp, want)
+                finally:
+                    link.writer.close()
+            except (LeaderLost, ConnectionError, TransferCut, asyncio.IncompleteReadError, ProtocolViolation) as e:
+                log.info("island %s: round %d not applied (%s); resyncing", self.name, r, e)
+                self.need_resync = True
+                return
+            self.stats["outer_bytes"] += n
+            await self.host.compute(apply_outer, self.node, sent, state)
+            self.stats["outer_applied"] += 1
+
+    def round_end(self) -> None:
+        """A follower, where the representative plans: keep theta_sent (the compute thread)."""
+        if not self.leading:
+            self.sent[self.node.round] = snapshot(self.node.params())
+
+    # -- resync and failover ------------------------------------------------------------
+
+    async def _on_state(self, call: Call) -> None:
+        self._check(call)
+        tensors, fields = await self.host.compute(state_of, self)
+        mask = fields.pop("mask")
+        self.active.add(call.remote)
+        self.stats["resync_bytes"] += await write_tensors(
+            call, tensors, fields=fields, tail=encode_indices(mask) if mask is not None else b""
+        )
+
+    async def _resync(self) -> None:
+        """Take the representative's state (retrying, failing over when it is gone)."""
+        until = time.monotonic() + FORM_TIMEOUT_S
+        while True:
+            try:
+                link = await self._request("island.state", self.node.round)
+                try:
+                    code, resp = await link.read_answer(extra_s=self._deadline_s())
+                    if code == ErrorCode.NOT_READY and resp.get("msg") == NOT_FORMED and time.monotonic() < until:
+                        await asyncio.sleep(0.2)  # it is still forming (it reads the DHT a little later)
+                        continue
+                    if code != ErrorCode.OK:
+                        raise LeaderLost(f"state answered {code.name}: {resp.get('msg', '')}")
+                    got = await read_state(link, resp, state_header(self.node, self.sync))
+                finally:
+                    link.writer.close()
+            except (LeaderLost, ConnectionError, TransferCut, asyncio.IncompleteReadError, ProtocolViolation) as e:
+                await self._failover(str(e))
+                if self.leading:
+                    self.need_resync = False
+                    return
+                await asyncio.sleep(0.2)
+                continue
+            tensors, fields, mask, n = got
+            await self.host.compute(load_state, self, tensors, fields, mask)
+            self.stats["resync_bytes"] += n
+            self.stats["resyncs"] += 1
+            self.need_resync = False
+            self.inbox.clear()
+            return
+
+    async def _failover(self, why: str) -> None:
+        old = self.leader
+        if old is not None and old != self.host.me:
+            self.dead.add(old)
+        members = [p for p in self._live_members(await self.host.read_beats()) if p in self.roster]
+        self.leader = members[0] if members else self.host.me
+        if self.leader != old:
+            self.stats["failovers"] += 1
+            self.host.events.write("island_failover", name=self.name, old=old, leader=self.leader, why=why)
+            log.info(
+                "island %s: representative %s lost (%s); now %s", self.name, (old or "?")[-8:], why, self.leader[-8:]
+            )
+        if self.leading:
+            self.active = set()  # followers come back through island.state or their next step
+            self.host.publish_soon()
+
+    def summary(self) -> dict[str, Any]:
+        """The island's part of the peer's exit summary."""
+        return {"name": self.name, "roster": self.roster, "leader": self.leader, "leading": self.leading, **self.stats}

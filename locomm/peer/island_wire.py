@@ -1,0 +1,230 @@
+"""The island service's bodies (``peer/island.py``): the synchronized buffer, and named fp32 tensors.
+
+Every size is checked against what this member expects before anything is allocated: the values of a step
+against its own mask (the members' masks are identical), a tensor against its own model's layout; a body that
+does not fit is a ``ProtocolViolation``, never an exception inside the step loop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from locomm.compression.base import CodecError
+from locomm.peer.rpc import Call, Link
+from locomm.protocol.messages import ErrorCode, ProtocolViolation, response_header
+from locomm.protocol.scape import ScapeSync, Synced, decode_indices, encode_indices
+
+if TYPE_CHECKING:
+    from locomm.peer.island import Island
+    from locomm.peer.node import Node
+
+VARINT_MAX = 6
+"""Bytes of one LEB128 gap at most (the ``scape`` codec's bound)."""
+
+
+class LeaderLost(Exception):
+    """The representative did not answer: fail over."""
+
+
+class MustResync(Exception):
+    """The representative is at another step, or went on without us: take its state."""
+
+
+def _bad(msg: str) -> ProtocolViolation:
+    return ProtocolViolation(ErrorCode.BAD_PAYLOAD, msg)
+
+
+async def write_synced(call: Call, synced: Synced) -> int:
+    """Answer an ``island.step`` with the step's buffer; returns the body bytes."""
+    vals = synced.values.float().contiguous().numpy().tobytes()
+    mask = encode_indices(synced.next_mask) if synced.next_mask is not None else b""
+    nm = -1 if synced.next_mask is None else synced.next_mask.numel()
+    call.answered = True
+    await call.link.write_header(
+        response_header(ErrorCode.OK, "", step=synced.step, senders=synced.senders, given=synced.shards_given, nm=nm)
+    )
+    await call.link.write_part(vals)
+    await call.link.write_part(mask)
+    return len(vals) + len(mask)
+
+
+async def read_synced(link: Link, resp: dict[str, Any], sync: ScapeSync) -> tuple[Synced, int]:
+    """The buffer the representative answered, checked against our own mask and step."""
+    step, nm = resp.get("step"), resp.get("nm")
+    senders, given = resp.get("senders"), resp.get("given")
+    if step != sync.step or not isinstance(nm, int) or not -1 <= nm <= sync.numel:
+        raise _bad(f"synced step {step!r} (we are at {sync.step}) with nm={nm!r}")
+    if not (isinstance(senders, list) and isinstance(given, list)):
+        raise _bad("synced senders/given missing")
+    if not all(isinstance(r, int) and 0 <= r < sync.workers for r in senders + given):
+        raise _bad("synced ranks out of range")
+    nv = sync.numel if sync.mask is None else sync.mask.numel()
+    raw = await link.read_part(4 * nv)
+    if len(raw) != 4 * nv:
+        raise _bad(f"synced buffer of {len(raw)} bytes, our mask has {nv} values")
+    values = torch.frombuffer(raw, dtype=torch.float32).clone()
+    if not bool(torch.isfinite(values).all()):
+        raise ProtocolViolation(ErrorCode.NOT_FINITE, "synced buffer not finite")
+    gaps = await link.read_part(VARINT_MAX * max(nm, 0))
+    try:
+        mask = decode_indices(gaps, nm, sync.numel) if nm >= 0 else None
+    except CodecError as e:
+        raise _bad(f"next mask: {e}") from None
+    return Synced(step, values, list(senders), mask, list(given)), len(raw) + len(gaps)
+
+
+async def write_tensors(
+    call: Call, tensors: dict[str, torch.Tensor], *, fields: dict[str, Any] | None = None, tail: bytes = b""
+) -> int:
+    """Answer with named fp32 tensors (then ``tail``, a mask's gaps); returns the body bytes."""
+    names = [[k, list(v.shape)] for k, v in tensors.items()]
+    call.answered = True
+    await call.link.write_header(response_header(ErrorCode.OK, "", tensors=names, ntail=len(tail), **(fields or {})))
+    n = 0
+    for v in tensors.values():
+        data = v.detach().float().contiguous().cpu().numpy().tobytes()
+        await call.link.write_part(data)
+        n += len(data)
+    await call.link.write_part(tail)
+    return n + len(tail)
+
+
+async def read_tensors(
+    link: Link, resp: dict[str, Any], want: dict[str, tuple[int, ...]], optional: frozenset[str] = frozenset()
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Named fp32 tensors: every name of ``want`` (those in ``optional`` may be absent), each of its shape."""
+    listed = resp.get("tensors")
+    if not isinstance(listed, list) or len(listed) > len(want):
+        raise _bad("tensor list missing or too long")
+    names: list[tuple[str, tuple[int, ...]]] = []
+    for entry in listed:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise _bad("malformed tensor entry")
+        name, shape = entry[0], tuple(entry[1]) if isinstance(entry[1], list) else None
+        if name not in want or shape != want[name]:
+            raise ProtocolViolation(ErrorCode.BAD_SHAPE, f"{name}: {shape} is not in this model's layout")
+        names.append((name, shape))
+    missing = set(want) - {n for n, _ in names} - optional
+    if missing:
+        raise _bad(f"tensors missing: {sorted(missing)[:3]}")
+    out, total = {}, 0
+    for name, shape in names:
+        nbytes = 4 * math.prod(shape)
+        raw = await link.read_part(nbytes)
+        if len(raw) != nbytes:
+            raise _bad(f"{name}: {len(raw)} bytes, expected {nbytes}")
+        t = torch.frombuffer(raw, dtype=torch.float32).clone().reshape(shape)
+        if not bool(torch.isfinite(t).all()):
+            raise ProtocolViolation(ErrorCode.NOT_FINITE, f"{name}: not finite")
+        out[name] = t
+        total += nbytes
+    return out, total
+
+
+def state_header(node: Node, sync: ScapeSync) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """The layout an ``island.state`` answer may carry: weights, AdamS moments, outer state, theta_sent."""
+    params = {k: tuple(p.shape) for k, p in node.params().items()}
+    want = {f"model/{k}": s for k, s in params.items()}
+    optional = {f"adam/{k}": s for k, s in params.items()} | {f"sent/{k}": s for k, s in params.items()}
+    want |= optional | {f"outer/{k}": tuple(v.shape) for k, v in node.algo.state_dict().items()}
+    return want, frozenset(optional)
+
+
+async def read_state(
+    link: Link, resp: dict[str, Any], layout: tuple[dict[str, tuple[int, ...]], frozenset[str]]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], torch.Tensor | None, int]:
+    """An ``island.state`` answer: tensors, the step fields, the current mask, bytes read."""
+    want, optional = layout
+    fields = {k: resp.get(k) for k in ("trainer_step", "sync_step", "round", "step_in_round", "sent_round", "nmask")}
+    if not all(isinstance(v, int) and v >= -1 for v in fields.values()):
+        raise _bad(f"state fields: {fields}")
+    adam_step = resp.get("adam_step")
+    if not isinstance(adam_step, int | float) or not 0 <= adam_step < 2**53:
+        raise _bad("state adam_step")
+    fields["adam_step"] = float(adam_step)
+    tensors, n = await read_tensors(link, resp, want, optional)
+    params = [k for k in want if k.startswith("model/")]
+    has_adam = [f"adam/{k[6:]}" in tensors for k in params]
+    if any(has_adam) and not all(has_adam):
+        raise _bad("state carries AdamS moments for some parameters only")
+    nmask, ntail = fields["nmask"], resp.get("ntail")
+    numel = sum(math.prod(want[k]) for k in params)
+    if not isinstance(ntail, int) or not 0 <= ntail <= VARINT_MAX * max(nmask, 0) or nmask > numel:
+        raise _bad("state mask size")
+    tail = await link.read_part(ntail)
+    try:
+        mask = decode_indices(tail, nmask, numel) if nmask >= 0 else None
+    except CodecError as e:
+        raise _bad(f"state mask: {e}") from None
+    return tensors, fields, mask, n + len(tail)
+
+
+def apply_outer(node: Node, sent: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    """A follower lands a round: the settled outer state, then theta += phi - theta_sent (as ``apply_late``)."""
+    algo = node.algo
+    algo.load_state_dict(state)
+    target = {k: v.clone() for k, v in sent.items()}
+    algo._set_params(target, algo.phi)  # noqa: SLF001 - the same copy the representative's apply made
+    with torch.no_grad():
+        for k, p in node.params().items():
+            p.add_(target[k] - sent[k])
+
+
+def state_of(island: Island) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What ``island.state`` sends (on the compute thread: a step boundary)."""
+    node = island.node
+    params = node.params()
+    opt = node.trainer.optimizer
+    tensors = {f"model/{k}": p.detach() for k, p in params.items()}
+    adam_step = 0.0
+    for k, p in params.items():
+        st = opt.state.get(p)
+        if st:
+            tensors[f"adam/{k}"] = st["exp_avg"]
+            adam_step = float(st["step"])
+    tensors |= {f"outer/{k}": v for k, v in node.algo.state_dict().items()}
+    pending = node.rounds.pending
+    sent_round = pending.round_idx if pending is not None else (max(island.sent) if island.sent else -1)
+    sent = pending.sent if pending is not None else island.sent.get(sent_round)
+    if sent is not None:
+        tensors |= {f"sent/{k}": v for k, v in sent.items()}
+    mask = island.sync.mask
+    fields = {
+        "trainer_step": node.trainer.step,
+        "adam_step": adam_step,
+        "sync_step": island.sync.step,
+        "round": node.round,
+        "step_in_round": node.step_in_round,
+        "sent_round": sent_round if sent is not None else -1,
+        "nmask": -1 if mask is None else mask.numel(),
+    }
+    return {k: v.detach().clone() for k, v in tensors.items()}, fields | {"mask": mask}
+
+
+def load_state(
+    island: Island, tensors: dict[str, torch.Tensor], fields: dict[str, Any], mask: torch.Tensor | None
+) -> None:
+    """Take a representative's state (the compute thread)."""
+    node = island.node
+    params = node.params()
+    opt = node.trainer.optimizer
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(tensors[f"model/{k}"])
+            if f"adam/{k}" in tensors:
+                st = opt.state[p]
+                st["exp_avg"] = tensors[f"adam/{k}"].to(p.device).clone()
+                st["step"] = torch.tensor(float(fields["adam_step"]))
+            else:
+                opt.state.pop(p, None)
+    node.algo.load_state_dict({k[len("outer/") :]: v for k, v in tensors.items() if k.startswith("outer/")})
+    island.sent = {}
+    if fields["sent_round"] >= 0:
+        island.sent[fields["sent_round"]] = {k[5:]: v for k, v in tensors.items() if k.startswith("sent/")}
+    node.trainer.step = fields["trainer_step"]
+    node.round, node.step_in_round = fields["round"], fields["step_in_round"]
+    island.sync.step, island.sync.mask = fields["sync_step"], mask
+    island.sync.residual.zero_()

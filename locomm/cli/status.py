@@ -74,6 +74,8 @@ async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> d
                         "version": b.version,
                         "state": "left" if b.finished else "paused" if b.paused else "training",
                         "eta_s": b.eta_s,
+                        "island": b.island or None,
+                        "island_rep": b.island_rep,
                         # pipeline mode: the stage this peer serves, its micro-batches/s, re-routes, losses
                         **(
                             {"stage": b.stage, "mb_per_s": b.mb_per_s, "rerouted": b.rerouted, "lost": b.lost}
@@ -88,6 +90,7 @@ async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> d
                 "protocol_version": spec["version"],
                 "closed": spec["closed"],
                 "peers": peers,
+                "islands": islands_of(peers),
             }
         finally:
             await dht.shutdown()
@@ -95,11 +98,30 @@ async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> d
         await p2p.shutdown()
 
 
+def islands_of(peers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each island's members and representative, from the peers' heartbeats (``join --island``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in peers:
+        if p.get("island") and p.get("state") != "left":
+            isl = out.setdefault(p["island"], {"members": [], "representative": None})
+            isl["members"].append(p["peer"])
+            if p.get("island_rep"):
+                isl["representative"] = p["peer"]
+    return out
+
+
 def render(snap: dict[str, Any]) -> Table:
     if any("stage" in p for p in snap.get("peers", [])):
         return render_stages(snap)
-    t = Table(title=f"run {snap.get('run', '?')}: {len(snap.get('peers', []))} peers")
-    cols = ("peer", "state", "round", "step", "loss", "val", "tok/s", "round ETA", "MB sent", "last exchange")
+    islands = snap.get("islands") or {}
+    title = f"run {snap.get('run', '?')}: {len(snap.get('peers', []))} peers"
+    if islands:
+        title += ", islands " + "; ".join(
+            f"{name}: {len(i['members'])} peers, representative {(i['representative'] or '?')[-10:]}"
+            for name, i in sorted(islands.items())
+        )
+    t = Table(title=title)
+    cols = ("peer", "state", "island", "round", "step", "loss", "val", "tok/s", "round ETA", "MB sent", "last exchange")
     for col in (*cols, "staleness"):
         t.add_column(col, justify="right")
     top = max((p["round"] for p in snap.get("peers", [])), default=0)
@@ -108,6 +130,7 @@ def render(snap: dict[str, Any]) -> Table:
         t.add_row(
             p["peer"][-10:],
             p.get("state", "?"),
+            (p["island"] + (" (rep)" if p.get("island_rep") else "")) if p.get("island") else "-",
             str(p["round"]),
             str(p["step"]),
             _f(p["loss"]),

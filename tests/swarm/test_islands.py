@@ -72,9 +72,7 @@ def spec_file(tmp: Path) -> Path:
         .replace("inner", name="adams")
         .replace("outer", algo="noloco", inner_steps=10)
         .replace("train", steps=400, eval_batches=2, eval_interval=0)
-        .replace(
-            "network", request_timeout_s=6.0, stall_timeout_s=3.0, heartbeat_interval_s=1.0, heartbeat_ttl_s=4.0
-        )
+        .replace("network", request_timeout_s=6.0, stall_timeout_s=3.0, heartbeat_interval_s=1.0, heartbeat_ttl_s=4.0)
     )
     path = tmp / "run.toml"
     spec.save(path)
@@ -83,9 +81,10 @@ def spec_file(tmp: Path) -> Path:
 
 def test_island_goes_on_when_its_representative_dies(tmp_path, launcher: Launcher):
     """An island of 2 and a single peer; the island's representative is SIGKILLed mid-run: the other member
-    takes over, leads the island's rounds with the single peer, and the loss keeps falling."""
+    takes over, leads the island's rounds with the single peer (``status`` shows it as the representative),
+    and the loss keeps falling."""
     cfg = spec_file(tmp_path)
-    until = ("--until-round", "10", "--wait-for-peers", "3", "--eval-every", "0")
+    until = ("--until-round", "20", "--wait-for-peers", "3", "--eval-every", "0")
     isl = ("--island", "a", "--island-size", "2")
     p0 = launcher.start("p0", *until, *isl, "--shard", "0/3", config=cfg, env=DIGEST)
     first = p0.address()
@@ -100,16 +99,37 @@ def test_island_goes_on_when_its_representative_dies(tmp_path, launcher: Launche
         by_id[p.events("started")[0]["peer"]] = p
     rep = by_id[leader]
     other = p1 if rep is p0 else p0
+
     wait_until(lambda: rep.round() >= 3, 180, "the representative reaches round 3", peers)
     steps_before = len(other.events("island_step"))
     rep.kill()
     wait_until(lambda: other.events("island_failover"), 60, "the other member takes over", [other, p2])
     fo = other.events("island_failover")[0]
-    assert fo["old"] == leader and fo["leader"] == other.events("started")[0]["peer"]
+    assert fo["old"] == leader and fo["leader"] == (new := other.events("started")[0]["peer"])
+
+    def status() -> dict:
+        cmd = [sys.executable, "-m", "locomm.cli.main", "status", "--initial-peers", other.address(), "--json"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+        if out.returncode != 0 or not out.stdout.strip():
+            return {"error": out.stderr[-500:]}
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    snap: dict = {}
+
+    def island_shown() -> bool:
+        snap.clear()
+        snap.update(status())
+        return (snap.get("islands") or {}).get("a", {}).get("representative") == new
+
+    try:
+        wait_until(island_shown, 90, "status shows the island and its representative", [other, p2])
+    except TimeoutError:
+        raise AssertionError(f"status never showed island 'a' led by {new}: {snap}") from None
+    assert new in snap["islands"]["a"]["members"]
     for p in (other, p2):
         assert p.wait(timeout=240) == 0, p.tail()
     done = other.events("finished")[0]
-    assert done["island"]["leading"] and done["rounds_completed"] == 10
+    assert done["island"]["leading"] and done["rounds_completed"] == 20
     assert len(other.events("island_step")) > steps_before + 30  # it went on training
     later = [e for e in other.events("round") if e["round"] >= fo_round(other, fo)]
     assert later and sum(e["answered"] for e in later) >= 1, later  # it exchanged with p2 as the island's voice

@@ -120,6 +120,11 @@ from locomm.config import ConfigError
 )
 @click.option("--island-size", type=int, default=2, show_default=True, help="How many peers the island has.")
 @click.option(
+    "--island-key",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="Close the island: a secret (>= 32 random bytes) or a list of peer ids, as --swarm-key.",
+)
+@click.option(
     "--resume-from",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Restart a stopped swarm from this checkpoint folder: its spec and round (and checkpoint here).",
@@ -164,6 +169,7 @@ def join(
     eval_every: int | None,
     island: str | None,
     island_size: int,
+    island_key: Path | None,
     resume_from: Path | None,
     as_json: bool,
     quiet: bool,
@@ -196,6 +202,12 @@ def join(
                 raise ConfigError(f"--max-{name}: must be > 0, got {v}")
         if eval_every is not None and eval_every < 0:
             raise ConfigError(f"--eval-every: must be >= 0, got {eval_every}")
+        if island_key is not None:
+            if island is None:
+                raise ConfigError("--island-key closes an island: give --island NAME too")
+            from locomm.peer.records import SwarmKey  # noqa: PLC0415 - imports hivemind
+
+            SwarmKey.load(island_key)  # a bad file fails here, in one line
         if island is not None and (stage is not None or not 2 <= island_size <= 64 or not 0 < len(island) <= 64):
             raise ConfigError("--island: a name of 1-64 characters, --island-size in [2, 64], and no --stage")
         if resume_from is not None:
@@ -270,6 +282,7 @@ def join(
         eval_every=eval_every,
         island=island,
         island_size=island_size,
+        island_key=island_key,
         island_digest=os.environ.get("LOCOMM_ISLAND_DIGEST") == "1",
         verbose=verbose,
         quiet=quiet,

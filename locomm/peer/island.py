@@ -4,7 +4,9 @@ the swarm by gossip through one of them, the representative.
 ``locomm-peer join --island NAME --island-size N``. The N peers that publish the same island name form it; its
 roster (sorted peer ids) gives each a rank, which owns one slice of the SCAPE masks (``protocol/scape.py``). The
 representative is the lowest live peer id; it alone takes part in the outer rounds (``members_for_round`` skips
-the others: their heartbeats say ``island`` without ``island_rep``).
+the others: their heartbeats say ``island`` without ``island_rep``). ``--island-key FILE`` (a secret or a list of
+peer ids, as ``--swarm-key``) closes the island: a member's heartbeat then carries an HMAC of its own peer id, and
+a peer that names the island without it is not a member.
 
 Every inner step (the ``island`` service, on the host's exchange layer):
 
@@ -32,6 +34,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +44,8 @@ from locomm.peer.island_wire import (
     LeaderLost,
     MustResync,
     apply_outer,
+    island_members,
+    island_proof,
     load_state,
     read_state,
     read_synced,
@@ -51,6 +56,7 @@ from locomm.peer.island_wire import (
     write_tensors,
 )
 from locomm.peer.meter import TransferCut, Unreachable
+from locomm.peer.records import SwarmKey
 from locomm.peer.rpc import Call, Service, open_link
 from locomm.protocol.membership import live
 from locomm.protocol.messages import ErrorCode, ProtocolViolation, envelope
@@ -69,12 +75,13 @@ FORM_TIMEOUT_S = 120.0
 class Island:
     """One member's side of an island (see the module docstring)."""
 
-    def __init__(self, node: Node, name: str, size: int) -> None:
+    def __init__(self, node: Node, name: str, size: int, key: Path | None = None) -> None:
         if node.spec.inner.name != "adams":
             raise ConfigError("--island: SCAPE builds its masks from AdamS's first moment; set inner.name = 'adams'")
         if not 2 <= size <= 64:
             raise ConfigError(f"--island-size: must be in [2, 64], got {size}")
         self.node, self.host, self.name, self.size = node, node.host, name, size
+        self.key = SwarmKey.load(key) if key is not None else None
         self.loop = asyncio.get_running_loop()
         self.roster: list[str] = []
         self.leader: str | None = None
@@ -101,7 +108,8 @@ class Island:
         return self.leader == self.host.me
 
     def beat_fields(self) -> dict[str, Any]:
-        return {"island": self.name, "island_rep": self.leading}
+        proof = island_proof(self.key, self.host.run_id, self.name, self.host.me) if self.key is not None else ""
+        return {"island": self.name, "island_rep": self.leading, "island_proof": proof}
 
     def service(self) -> Service:
         handlers = {"island.step": self._on_step, "island.outer": self._on_outer, "island.state": self._on_state}
@@ -110,7 +118,7 @@ class Island:
     def _live_members(self, beats: list) -> list[str]:
         net = self.node.spec.network
         fresh = live(beats, self.host.dht_now(), net.heartbeat_ttl_s)
-        ids = {b.peer for b in fresh if b.island == self.name}
+        ids = set(island_members(fresh, self.name, self.key, self.host.run_id))
         return sorted((ids | {self.host.me}) - self.dead)
 
     async def form(self) -> None:
@@ -133,6 +141,8 @@ class Island:
             error_feedback=outer.scape_error_feedback,
         )
         self.leader = self.roster[0]
+        if self.key is None:
+            log.warning("island %s is open: any peer that names it can join (--island-key FILE closes it)", self.name)
         self.active = set(self.roster) - {self.host.me} if self.leading else set()
         self.host.events.write("island", name=self.name, roster=self.roster, leader=self.leader)
         log.info("island %s: %s, representative %s", self.name, [p[-8:] for p in self.roster], self.leader[-8:])

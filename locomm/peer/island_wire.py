@@ -8,11 +8,13 @@ does not fit is a ``ProtocolViolation``, never an exception inside the step loop
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from locomm.compression.base import CodecError
+from locomm.peer.records import SwarmKey
 from locomm.peer.rpc import Call, Link
 from locomm.protocol.messages import ErrorCode, ProtocolViolation, response_header
 from locomm.protocol.scape import ScapeSync, Synced, decode_indices, encode_indices
@@ -23,6 +25,29 @@ if TYPE_CHECKING:
 
 VARINT_MAX = 6
 """Bytes of one LEB128 gap at most (the ``scape`` codec's bound)."""
+
+
+def island_proof(key: SwarmKey, run_id: str, name: str, peer: str) -> str:
+    """What a member of a closed island puts in its heartbeat: an HMAC of (run, island, its own peer id); a
+    copy is worth nothing to another peer id. A key that lists peer ids needs none."""
+    return key.tag(f"locomm-island:{run_id}:{name}:{peer}".encode()).hex()
+
+
+def island_members(beats: Iterable[Any], name: str, key: SwarmKey | None, run_id: str) -> list[str]:
+    """The peers whose heartbeats name island ``name`` (and, with ``key``, prove they hold it), sorted."""
+    out = []
+    for b in beats:
+        if b.island != name:
+            continue
+        if key is not None:
+            try:
+                tag = bytes.fromhex(b.island_proof)
+            except ValueError:
+                continue
+            if not key.admits(b.peer, f"locomm-island:{run_id}:{name}:{b.peer}".encode(), tag):
+                continue
+        out.append(b.peer)
+    return sorted(out)
 
 
 class LeaderLost(Exception):

@@ -245,7 +245,7 @@ class Node:
         if self.opts.island is not None:  # an island member: SCAPE every step (peer/island.py)
             from locomm.peer.island import Island  # noqa: PLC0415
 
-            self.island = Island(self, self.opts.island, self.opts.island_size)
+            self.island = Island(self, self.opts.island, self.opts.island_size, self.opts.island_key)
             await host.serve(self.island.service())
         if self.spec.outer.algo == "diloco":
             await self._start_averager()

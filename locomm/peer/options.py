@@ -88,6 +88,8 @@ class NodeOptions:
     """``join --island NAME``: train with the peers of the same island name as one worker, SCAPE every step
     (``peer/island.py``); None: a peer on its own."""
     island_size: int = 2
+    island_key: Path | None = None
+    """Closes the island (a secret of >= 32 bytes, or a list of peer ids, as ``--swarm-key``); None: open."""
     """How many peers the island has (it forms when that many have announced the name)."""
     island_digest: bool = False
     """Tests only (``LOCOMM_ISLAND_DIGEST=1``): log a hash of the weights after every island step."""

@@ -124,6 +124,7 @@ _PARSE = {
     "lost": lambda v: _int(v, 0, 2**62),
     "island": lambda v: _str(v, MAX_ISLAND_LEN),
     "island_rep": _bool,
+    "island_proof": lambda v: _str(v, 128),
 }
 
 
@@ -178,6 +179,8 @@ class Heartbeat:
     """The island this peer trains in ('': none)."""
     island_rep: bool = False
     """It represents its island in the outer rounds; the island's other members are members of no round."""
+    island_proof: str = ""
+    """A closed island's HMAC of this peer id (hex; ``peer/island.py``)."""
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """Fields this version does not know (a newer peer's), kept for display only."""
 

@@ -85,7 +85,9 @@ def test_island_goes_on_when_its_representative_dies(tmp_path, launcher: Launche
     and the loss keeps falling."""
     cfg = spec_file(tmp_path)
     until = ("--until-round", "20", "--wait-for-peers", "3", "--eval-every", "0")
-    isl = ("--island", "a", "--island-size", "2")
+    key = tmp_path / "island.key"
+    key.write_bytes(os.urandom(32))
+    isl = ("--island", "a", "--island-size", "2", "--island-key", str(key))  # a closed island
     p0 = launcher.start("p0", *until, *isl, "--shard", "0/3", config=cfg, env=DIGEST)
     first = p0.address()
     p1 = launcher.start("p1", *until, *isl, "--shard", "1/3", config=cfg, initial_peers=first, env=DIGEST)

@@ -214,6 +214,8 @@ def control_handlers(node: Node) -> dict[str, Handler]:
     async def pause() -> dict[str, Any]:
         if node.left:
             raise ControlError("the peer is leaving")
+        if node.island is not None:  # its island would drop it and resync it; not built or tested yet
+            raise ControlError("an island member cannot pause yet: stop it (Ctrl-C) and its island goes on")
         node.resume_wanted.clear()
         node.pause_wanted.set()
         with contextlib.suppress(TimeoutError):

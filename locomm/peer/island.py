@@ -234,6 +234,7 @@ class Island:
 
     async def _lead(self, msg: ScapeMessage) -> Synced:
         t = msg.step
+        self.active -= {p for p in self.active if (b := self.host.beats.get(p)) is not None and b.finished}
         fut = self.results.setdefault(t, asyncio.get_running_loop().create_future())
         end = time.monotonic() + self._deadline_s()
         while not self.active <= set(self.inbox.get(t, {})) and time.monotonic() < end:

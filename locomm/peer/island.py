@@ -40,10 +40,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from locomm.config import ConfigError
+from locomm.peer.island_serve import IslandServing
 from locomm.peer.island_wire import (
+    NEVER_PLANNED,
+    LeaderBusy,
     LeaderLost,
     MustResync,
     apply_outer,
+    busy_or_lost,
     island_members,
     island_proof,
     load_state,
@@ -51,9 +55,6 @@ from locomm.peer.island_wire import (
     read_synced,
     read_tensors,
     state_header,
-    state_of,
-    write_synced,
-    write_tensors,
 )
 from locomm.peer.meter import TransferCut, Unreachable
 from locomm.peer.records import SwarmKey
@@ -61,7 +62,7 @@ from locomm.peer.rpc import Call, Service, open_link
 from locomm.protocol.membership import live
 from locomm.protocol.messages import ErrorCode, ProtocolViolation, envelope
 from locomm.protocol.rounds import snapshot
-from locomm.protocol.scape import ScapeMessage, ScapeSync, Synced, decode_indices, encode_indices, reduce
+from locomm.protocol.scape import ScapeMessage, ScapeSync, Synced, encode_indices, reduce
 
 if TYPE_CHECKING:
     from locomm.peer.node import Node
@@ -69,15 +70,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SERVICE = "island"
 NOT_FORMED = "island not formed yet"
+BUSY_RETRIES = 40
+"""Answers of a live representative that is not ready (forming, not yet leading) retried 0.5 s apart."""
 FORM_TIMEOUT_S = 120.0
 
 
-class Island:
+class Island(IslandServing):
     """One member's side of an island (see the module docstring)."""
 
     def __init__(self, node: Node, name: str, size: int, key: Path | None = None) -> None:
         if node.spec.inner.name != "adams":
             raise ConfigError("--island: SCAPE builds its masks from AdamS's first moment; set inner.name = 'adams'")
+        if not node.opts.overlap:
+            raise ConfigError("--island needs the overlapped schedule: drop --no-overlap")
         if not 2 <= size <= 64:
             raise ConfigError(f"--island-size: must be in [2, 64], got {size}")
         self.node, self.host, self.name, self.size = node, node.host, name, size
@@ -96,6 +101,7 @@ class Island:
         self.planned: set[int] = set()
         """Rounds this representative planned and has not settled yet (followers wait for those)."""
         self.need_resync = False
+        self.state_wanted: list[asyncio.Future] = []
         self.step_s = 0.0
         self.stats = {"step_bytes_sent": 0, "step_bytes_received": 0, "outer_bytes": 0, "resync_bytes": 0}
         self.stats |= {"steps_synced": 0, "resyncs": 0, "failovers": 0, "dropped": 0, "outer_applied": 0}
@@ -146,6 +152,7 @@ class Island:
         self.active = set(self.roster) - {self.host.me} if self.leading else set()
         self.host.events.write("island", name=self.name, roster=self.roster, leader=self.leader)
         log.info("island %s: %s, representative %s", self.name, [p[-8:] for p in self.roster], self.leader[-8:])
+        self.host.publish_soon()  # island_rep: the swarm's rounds count the representative at once
         if not self.leading:
             await self._resync()
 
@@ -190,7 +197,10 @@ class Island:
     async def step(self) -> float:
         """One synchronized inner step; returns the own batch's loss."""
         msg: ScapeMessage | None = None
+        busy = 0
         while True:
+            if self.leading:
+                await self._serve_states()  # a step boundary: the state a follower takes is consistent
             if self.need_resync:
                 await self._resync()
                 msg = None
@@ -203,6 +213,15 @@ class Island:
             except MustResync as e:
                 log.info("island %s: resync (%s)", self.name, e)
                 self.need_resync = True
+                continue
+            except LeaderBusy as e:
+                busy += 1
+                if busy <= BUSY_RETRIES:
+                    await asyncio.sleep(0.5)
+                    continue
+                await self._failover(str(e))
+                if not self.leading:
+                    self.need_resync = True
                 continue
             except LeaderLost as e:
                 await self._failover(str(e))
@@ -238,10 +257,19 @@ class Island:
         fut = self.results.setdefault(t, asyncio.get_running_loop().create_future())
         end = time.monotonic() + self._deadline_s()
         while not self.active <= set(self.inbox.get(t, {})) and time.monotonic() < end:
+            if self.state_wanted:  # mid-step, grads computed, nothing applied: a consistent state too
+                await self._serve_states()
+                end = max(end, time.monotonic() + self._deadline_s())  # give it time to download and step
+                continue
             self.arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.arrived.wait(), max(0.01, end - time.monotonic()))
-        got = self.inbox.pop(t, {})
+        got = {p: m for s_, box in list(self.inbox.items()) if s_ <= t for p, m in box.items() if s_ == t}
+        for s_ in [s_ for s_ in self.inbox if s_ <= t]:
+            del self.inbox[s_]
+        if msg.mask_shard is None:  # no moment here yet: nobody's slice can be right
+            for m in got.values():
+                m.mask_shard = None
         want = msg.values.numel()
         ok = {p: m for p, m in got.items() if m.values.numel() == want}
         for p in set(got) - set(ok):
@@ -257,35 +285,6 @@ class Island:
             del self.results[old]
         return synced
 
-    async def _on_step(self, call: Call) -> None:
-        f, remote = call.msg.fields, call.remote
-        self._check(call)
-        t, cur = f.get("step"), self.sync.step
-        if not isinstance(t, int) or t not in (cur, cur + 1):
-            await call.answer(ErrorCode.STALE_ROUND, f"island step {t!r}, we are at {cur}", step=cur)
-            return
-        nv, nm = f.get("nv"), f.get("nm")
-        lo, hi = self.sync.bounds[self._rank(remote)]
-        if not (isinstance(nv, int) and 0 < nv <= self.sync.numel and isinstance(nm, int) and 0 <= nm <= hi - lo):
-            raise ProtocolViolation(ErrorCode.MALFORMED, f"island step: nv={nv!r} nm={nm!r}")
-        values = torch.frombuffer(await call.link.read_part(4 * nv), dtype=torch.float32)
-        raw = await call.link.read_part(6 * nm)
-        if values.numel() != nv or not bool(torch.isfinite(values).all()):
-            raise ProtocolViolation(ErrorCode.NOT_FINITE, "island step: values not finite or of the wrong count")
-        shard = decode_indices(raw, nm, self.sync.numel) if f.get("has_mask") else None
-        if shard is not None and nm and (int(shard[0]) < lo or int(shard[-1]) >= hi):
-            raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, "island step: mask slice outside the sender's slice")
-        self.stats["step_bytes_received"] += 4 * nv + len(raw)
-        self.active.add(remote)
-        self.inbox.setdefault(t, {})[remote] = ScapeMessage(self._rank(remote), t, values.clone(), shard)
-        self.arrived.set()
-        fut = self.results.setdefault(t, asyncio.get_running_loop().create_future())
-        synced = await asyncio.wait_for(asyncio.shield(fut), self._deadline_s() + 30.0)
-        if self._rank(remote) not in synced.senders:
-            await call.answer(ErrorCode.STALE_ROUND, "the step went on without you", step=self.sync.step)
-            return
-        self.stats["step_bytes_sent"] += await write_synced(call, synced)
-
     async def _request(self, mtype: str, round_idx: int, **fields: Any):  # noqa: ANN202 - a Link
         h = self.host
         try:
@@ -299,7 +298,7 @@ class Island:
         vals = msg.values.float().contiguous()
         shard = encode_indices(msg.mask_shard) if msg.mask_shard is not None else b""
         nm = 0 if msg.mask_shard is None else msg.mask_shard.numel()
-        extra = self._deadline_s() + 30.0
+        extra = self.node.spec.network.max_wait_s  # a live representative answers; a dead one breaks the stream
         try:
             link = await self._request(
                 "island.step",
@@ -317,7 +316,7 @@ class Island:
                 if code == ErrorCode.STALE_ROUND:
                     raise MustResync(str(resp.get("msg", "")))
                 if code != ErrorCode.OK:
-                    raise LeaderLost(f"answered {code.name}: {resp.get('msg', '')}")
+                    raise busy_or_lost(code, resp)
                 synced, n = await read_synced(link, resp, self.sync)
                 self.stats["step_bytes_received"] += n
                 return synced
@@ -327,30 +326,6 @@ class Island:
             raise LeaderLost(f"{type(e).__name__}: {e}") from None
 
     # -- outer rounds ---------------------------------------------------------------
-
-    def settle_done(self, round_idx: int, applied: bool) -> None:
-        """The representative settled ``round_idx`` (``Node._apply``, on the compute thread): followers may fetch it."""
-        algo = self.node.algo
-        self.settled[round_idx] = {k: v.clone() for k, v in algo.state_dict().items()} if applied else None
-        self.loop.call_soon_threadsafe(self.planned.discard, round_idx)
-        for old in [r for r in self.settled if r < round_idx - 2]:
-            del self.settled[old]
-        self.loop.call_soon_threadsafe(self.settled_event.set)  # we are on the compute thread
-
-    async def _on_outer(self, call: Call) -> None:
-        r = call.msg.round
-        self._check(call, lead=False)
-        end = time.monotonic() + self.node.spec.network.max_wait_s
-        while r not in self.settled and self.leading and time.monotonic() < end:
-            if (r not in self.planned and self.node.round > r) or self.host.stop.is_set():
-                break  # past round r without planning it (it led from later on), or stopping
-            self.settled_event.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.settled_event.wait(), max(0.01, end - time.monotonic()))
-        state = self.settled.get(r)
-        if state is None:
-            raise ProtocolViolation(ErrorCode.NOT_READY, f"no outer update of round {r} here")
-        self.stats["outer_bytes"] += await write_tensors(call, state)
 
     async def outer_point(self) -> None:
         """A follower, where the representative settles: fetch the round it planned and apply it."""
@@ -362,9 +337,10 @@ class Island:
                 link = await self._request("island.outer", r)
                 try:
                     code, resp = await link.read_answer(extra_s=self.node.spec.network.max_wait_s)
+                    if code == ErrorCode.NOT_READY and resp.get("msg") == NEVER_PLANNED:
+                        continue  # nobody applies a round the dead representative planned
                     if code != ErrorCode.OK:
-                        log.info("island %s: round %d not applied: %s", self.name, r, resp.get("msg", code.name))
-                        continue
+                        raise LeaderLost(f"round {r}: {code.name} {resp.get('msg', '')}")
                     want = {k: tuple(v.shape) for k, v in self.node.algo.state_dict().items()}
                     state, n = await read_tensors(link, resp, want)
                 finally:
@@ -384,15 +360,6 @@ class Island:
 
     # -- resync and failover ------------------------------------------------------------
 
-    async def _on_state(self, call: Call) -> None:
-        self._check(call)
-        tensors, fields = await self.host.compute(state_of, self)
-        mask = fields.pop("mask")
-        self.active.add(call.remote)
-        self.stats["resync_bytes"] += await write_tensors(
-            call, tensors, fields=fields, tail=encode_indices(mask) if mask is not None else b""
-        )
-
     async def _resync(self) -> None:
         """Take the representative's state (retrying, failing over when it is gone)."""
         until = time.monotonic() + FORM_TIMEOUT_S
@@ -400,15 +367,22 @@ class Island:
             try:
                 link = await self._request("island.state", self.node.round)
                 try:
-                    code, resp = await link.read_answer(extra_s=self._deadline_s())
-                    if code == ErrorCode.NOT_READY and resp.get("msg") == NOT_FORMED and time.monotonic() < until:
-                        await asyncio.sleep(0.2)  # it is still forming (it reads the DHT a little later)
-                        continue
+                    code, resp = await link.read_answer(extra_s=self.node.spec.network.max_wait_s)
                     if code != ErrorCode.OK:
-                        raise LeaderLost(f"state answered {code.name}: {resp.get('msg', '')}")
+                        raise busy_or_lost(code, resp)
                     got = await read_state(link, resp, state_header(self.node, self.sync))
                 finally:
                     link.writer.close()
+            except LeaderBusy:  # alive and not ready (still forming, not leading yet): ask it again
+                if time.monotonic() < until:
+                    await asyncio.sleep(0.2)
+                    continue
+                await self._failover("not ready for too long")
+                if self.leading:
+                    self.need_resync = False
+                    return
+                until = time.monotonic() + FORM_TIMEOUT_S
+                continue
             except (LeaderLost, ConnectionError, TransferCut, asyncio.IncompleteReadError, ProtocolViolation) as e:
                 await self._failover(str(e))
                 if self.leading:
@@ -438,6 +412,7 @@ class Island:
             )
         if self.leading:
             self.active = set()  # followers come back through island.state or their next step
+            self.sent.clear()  # the rounds we snapshotted as a follower: nobody will settle them
             self.host.publish_soon()
 
     def summary(self) -> dict[str, Any]:

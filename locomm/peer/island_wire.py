@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from locomm.peer.island import Island
     from locomm.peer.node import Node
 
+LEAVING = "the representative is leaving"
+NEVER_PLANNED = "never planned here"
 VARINT_MAX = 6
 """Bytes of one LEB128 gap at most (the ``scape`` codec's bound)."""
 
@@ -52,6 +54,20 @@ def island_members(beats: Iterable[Any], name: str, key: SwarmKey | None, run_id
 
 class LeaderLost(Exception):
     """The representative did not answer: fail over."""
+
+
+class LeaderBusy(LeaderLost):
+    """A live representative answered that it is not ready (still forming, not leading yet): retry it."""
+
+
+def busy_or_lost(code: ErrorCode, resp: dict[str, Any]) -> LeaderLost:
+    """What a non-OK answer of the representative means: it is leaving (fail over), or retry it."""
+    msg = str(resp.get("msg", ""))
+    if code == ErrorCode.NOT_READY and msg == LEAVING:
+        return LeaderLost(msg)
+    if code in (ErrorCode.NOT_READY, ErrorCode.INTERNAL, ErrorCode.TIMEOUT):
+        return LeaderBusy(f"{code.name}: {msg}")
+    return LeaderLost(f"answered {code.name}: {msg}")
 
 
 class MustResync(Exception):
@@ -128,7 +144,9 @@ async def read_tensors(
     for entry in listed:
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
             raise _bad("malformed tensor entry")
-        name, shape = entry[0], tuple(entry[1]) if isinstance(entry[1], list) else None
+        dims = entry[1]
+        ok_dims = isinstance(dims, list) and all(type(d) is int and d >= 0 for d in dims)
+        name, shape = entry[0], tuple(dims) if ok_dims else None
         if name not in want or shape != want[name]:
             raise ProtocolViolation(ErrorCode.BAD_SHAPE, f"{name}: {shape} is not in this model's layout")
         names.append((name, shape))
@@ -175,6 +193,9 @@ async def read_state(
     has_adam = [f"adam/{k[6:]}" in tensors for k in params]
     if any(has_adam) and not all(has_adam):
         raise _bad("state carries AdamS moments for some parameters only")
+    has_sent = [f"sent/{k[6:]}" in tensors for k in params]
+    if (fields["sent_round"] >= 0) != all(has_sent) or (any(has_sent) and not all(has_sent)):
+        raise _bad("state carries theta_sent partly, or without its round")
     nmask, ntail = fields["nmask"], resp.get("ntail")
     numel = sum(math.prod(want[k]) for k in params)
     if not isinstance(ntail, int) or not 0 <= ntail <= VARINT_MAX * max(nmask, 0) or nmask > numel:
@@ -226,7 +247,7 @@ def state_of(island: Island) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "sent_round": sent_round if sent is not None else -1,
         "nmask": -1 if mask is None else mask.numel(),
     }
-    return {k: v.detach().clone() for k, v in tensors.items()}, fields | {"mask": mask}
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, fields | {"mask": mask}
 
 
 def load_state(
@@ -248,7 +269,7 @@ def load_state(
     node.algo.load_state_dict({k[len("outer/") :]: v for k, v in tensors.items() if k.startswith("outer/")})
     island.sent = {}
     if fields["sent_round"] >= 0:
-        island.sent[fields["sent_round"]] = {k[5:]: v for k, v in tensors.items() if k.startswith("sent/")}
+        island.sent[fields["sent_round"]] = {k: tensors[f"sent/{k}"].to(p.device, p.dtype) for k, p in params.items()}
     node.trainer.step = fields["trainer_step"]
     node.round, node.step_in_round = fields["round"], fields["step_in_round"]
     island.sync.step, island.sync.mask = fields["sync_step"], mask

@@ -125,6 +125,7 @@ def _donors(beats: list, top: int) -> list[str]:
     """Admitted peers at the swarm's round (not those claiming to be far past it, nor those leaving), newest
     first."""
     near = [b for b in beats if b.admitted and b.started and not (b.finished or b.paused) and b.round <= top + 1]
+    near = [b for b in near if not (b.island and not b.island_rep)]  # an island follower serves no fresh state
     return [b.peer for b in sorted(near, key=lambda b: -b.round)[:DONORS]]
 
 

@@ -426,7 +426,7 @@ class Node:
                 await host.compute(self._checkpoint)
             host.publish_soon()  # fresh round numbers keep joiners' choices right
         await self._finish(pending)
-        if self.island is not None and not host.hurry.is_set():
+        if self.island is not None and not host.stop.is_set():
             await self.island.outer_point()  # a follower: the last round its representative settled
 
     def _record_round(self, members: list[str], planned: schedule.Planned, compute_s: float, wall: float) -> None:

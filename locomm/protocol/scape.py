@@ -154,6 +154,12 @@ class ScapeSync:
             lo += self.sizes[k]
         return out
 
+    def slice_size(self, rank: int) -> int:
+        """How many indices slice ``rank`` of a mask holds (what :meth:`mask_slice` picks)."""
+        lo, hi = self.bounds[rank]
+        n = hi - lo
+        return n if self.sparsity == 0 else (min(n, max(1, math.ceil((1.0 - self.sparsity) * n))) if n else 0)
+
     def mask_slice(self, first_moment: Mapping[str, torch.Tensor], rank: int) -> torch.Tensor:
         """Slice ``rank`` of the next mask: the top (1 - sparsity) of |m| within that worker's slice."""
         lo, hi = self.bounds[rank]
@@ -205,10 +211,8 @@ class ScapeSync:
         missing = [r for r in range(self.workers) if r not in given]
         if not missing:
             return synced.next_mask
-        if first_moment is None:
-            if synced.next_mask is None:  # nobody built a slice yet (no moment): the next step is dense too
-                return None
-            raise ValueError(f"mask slices of ranks {missing} are missing and no first moment was given")
+        if first_moment is None:  # no moment here (none anywhere: members are identical): the next step is dense
+            return None
         parts = [synced.next_mask] if synced.next_mask is not None else []
         parts += [self.mask_slice(first_moment, r) for r in missing]
         return torch.cat(parts).sort().values

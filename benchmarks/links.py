@@ -11,6 +11,10 @@ relay slot on the open peers at once (libp2p circuit relay v2; hole punching is 
 peers them and peer 0 as ``--relay``: go-libp2p's auto-relay waits for 4 relay candidates (or 3 minutes).
 ``--wan 11.77``: the bridge's subnet looks public to libp2p (netlab.Lab's ``wan``), which relayed addresses
 and hole punching need; nothing leaves the lab's namespaces.
+``--island K --island-rate 1gbit``: the first K peers join as one island (``--island isl0 --island-size K``) and
+the traffic among their K namespaces is shaped at the island rate, all else at ``--rate``
+(``locomm/testing/netshape.py``: htb with u32 filters on the members' veth ends; docs/results/island-links.md);
+the other peers start once the island has formed (``--island-together``: at once).
 
     sudo python benchmarks/links.py --config benchmarks/configs/links-nano.toml --rounds 3 --rate 80mbit
     sudo python benchmarks/links.py --config benchmarks/configs/links-nano.toml --rounds 3 --rate none
@@ -56,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from locomm.config import ConfigError, RunSpec
-from locomm.testing import netlab
+from locomm.testing import netlab, netshape
 from locomm.testing.launcher import Launcher, PeerExited
 
 import _harness
@@ -107,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--algo", choices=["noloco", "gasloc", "sparseloco", "diloco"], help="Override outer.algo of the config"
     )
+    ap.add_argument("--island", type=int, default=0, help="The first K peers form one island (join --island)")
+    ap.add_argument("--island-rate", default="1gbit", help="With --island: the rate among the island's members")
+    ap.add_argument(
+        "--island-together",
+        action="store_true",
+        help="With --island: start the other peers at once too (by default they start once the island formed)",
+    )
     ap.add_argument("--relays", type=int, default=0, help="Bare circuit relays to start on the open hosts")
     ap.add_argument("--wan", default="10.77", help="First two octets of the lab's bridge subnet (11.77: public)")
     ap.add_argument("--seed", type=int, default=0, help="Seed of the per-peer rate draw")
@@ -151,6 +162,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rounds must be >= 1")
     if not 0 <= args.nat < args.peers:
         ap.error(f"--nat must be in [0, {args.peers - 1}] (peer 0 starts the swarm and must be reachable)")
+    if args.island and not (2 <= args.island <= args.peers - args.nat and not args.pipeline):
+        ap.error(f"--island must be in [2, {args.peers - args.nat}] (open peers; not with --pipeline)")
+    if args.island and (netlab.parse_rate(args.rate) is None or netlab.parse_rate(args.island_rate) is None):
+        ap.error("--island: --rate and --island-rate must both be rates, not none")
     if not 0 <= args.rate_spread <= 3:
         ap.error("--rate-spread must be in [0, 3]")
     try:
@@ -404,6 +419,16 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
             log(args, f"links: {h}")
         relays = start_relays(args, [h for h in hosts if not h.nat], folder, env)
         state["relays"] = relays
+        if args.island:
+            netshape.shape_group(hosts[: args.island], args.island_rate)
+            log(args, f"links: island p0..p{args.island - 1} at {args.island_rate} among themselves")
+            if args.measure_links:  # the island's own links, both ways
+                a, b = hosts[0], hosts[1]
+                nbytes = int(min(64e6, max(4e6, netlab.parse_rate(args.island_rate) / 8)))
+                state["measured_island"] = {
+                    f"{x.name}->{y.name}": netlab.measure_tcp(x, y, nbytes) for x, y in ((a, b), (b, a))
+                }
+                log(args, f"links: island measured {state['measured_island']}")
         if args.measure_links:
             ref = lab.add_host("ref")
             measured = []
@@ -436,6 +461,7 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
                 "--json",
                 *(["--reachability", args.nat_reachability] if h.nat else []),
                 *(a for r in ([initial, *relays] if h.nat and relays else []) for a in ("--relay", r)),
+                *(["--island", "isl0", "--island-size", str(args.island)] if i < args.island else []),
                 *args.peer_arg,
                 config=spec_path,
                 device=args.device,
@@ -455,6 +481,8 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
         state["bootstrap"] = bootstrap
         log(args, f"links: peer 0 up at {bootstrap}")
         for i in range(1, n):
+            if i == args.island and not args.island_together:
+                wait_island_formed(args, folder, peers)
             procs.append(launch(i, bootstrap))
         seen = [0] * n
         conns: list[set[str]] = state["connections"]
@@ -486,6 +514,21 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
         # Leaving the with-block: the launcher sends SIGINT to every peer group, waits --grace, kills the
         # rest; then the lab removes its namespaces.
     state["t_end"] = time.perf_counter()
+
+
+FORMED = re.compile(r"island isl0: \[.*\], representative")
+
+
+def wait_island_formed(args: argparse.Namespace, folder: Path, peers: Launcher) -> None:
+    """Until island member 0 logs the island formed: peers that start before it can begin round 0 without the
+    island's representative (they count its members' heartbeats, whose rep flag is not set yet)."""
+    end = time.monotonic() + STARTUP_TIMEOUT_S
+    err = folder / "peer0.err"
+    while not (err.exists() and FORMED.search(err.read_text(errors="replace"))):
+        if time.monotonic() > end or peers["peer0"].proc.poll() is not None:
+            raise RuntimeError("the island did not form:\n" + peers["peer0"].tail())
+        time.sleep(0.2)
+    log(args, "links: island formed; starting the other peers")
 
 
 def boundary_stack(spec: RunSpec) -> str:
@@ -617,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
         "rate": args.rate,
         "rate_spread": args.rate_spread,
         "nat": args.nat,
+        "island": args.island,
+        "island_rate": args.island_rate if args.island else None,
+        "island_together": bool(args.island and args.island_together),
         "seed": args.seed,
         "omp_threads": max(1, (os.cpu_count() or 1) // args.peers),
         "cpus": os.cpu_count(),
@@ -642,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         result["relays"] = state.get("relays")
         result["wan"] = args.wan
         result["measured_links"] = state.get("measured_links")
+        result["measured_island"] = state.get("measured_island")
         hosts, procs = state["hosts"], state["procs"]
         t0 = state.get("t0")
         wall = (state.get("t_end") or time.perf_counter()) - t0 if t0 is not None else None

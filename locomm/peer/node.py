@@ -47,14 +47,13 @@ from locomm.peer.partners import Partners, note_screening
 from locomm.peer.state import Snapshot, StateServer, load_state, state_tensors
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
-from locomm.protocol.membership import NOT_ADMITTED, Heartbeat, members_for_round
+from locomm.protocol.membership import NOT_ADMITTED, Heartbeat, islands_led, members_for_round
 from locomm.protocol.timing import ema
 
 __all__ = ["Node", "NodeOptions", "SpecMismatch"]
 
 log = logging.getLogger(__name__)
-STOP_EXCHANGE_S = 10.0
-"""After Ctrl-C, how long the pending exchange may still take (a second Ctrl-C: none)."""
+STOP_EXCHANGE_S = 10.0  # after Ctrl-C, how long the pending exchange may still take (a second Ctrl-C: none)
 
 
 class Node:
@@ -270,7 +269,8 @@ class Node:
         if (n := self.opts.wait_for_peers) > 1:
 
             def admitted(beats: list[Heartbeat]) -> bool:
-                return len({b.peer for b in beats if b.join_round <= self.round} | {host.me}) >= n
+                n_in = len({b.peer for b in beats if b.join_round <= self.round} | {host.me})
+                return n_in >= n and islands_led(beats)  # an island counts from its representative on
 
             await host.wait_for(admitted, 60.0, f"{n} admitted peers")
         self.started = True

@@ -274,6 +274,14 @@ def members_for_round(
     return sorted(members)
 
 
+def islands_led(beats: Iterable[Heartbeat]) -> bool:
+    """Whether every island a live heartbeat names has published its representative: until then a founding
+    swarm that waits for its peers would start round 0 without the island (``join --wait-for-peers``)."""
+    beats = [b for b in beats if not b.finished]
+    named = {b.island for b in beats if b.island}
+    return named <= {b.island for b in beats if b.island and b.island_rep}
+
+
 def robust_top(values: Iterable[int], slack: int = 1) -> int:
     """The largest of ``values`` within ``slack`` of the value two thirds of them reach (the largest, with
     fewer than 3; 0 with none): a minority that claims a far-off round or step moves it by ``slack`` at most."""

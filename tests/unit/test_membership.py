@@ -97,3 +97,16 @@ def test_a_minority_claiming_a_far_round_does_not_set_the_swarms_round():
     assert swarm_round([*honest, liar]) == 6
     assert swarm_round([*honest[:2], liar]) == 5  # 1 of 3
     assert swarm_round([Heartbeat(peer="w", round=3, join_round=2**31 - 1)]) == 0  # not admitted: not counted
+
+
+def test_an_island_is_one_participant_and_counts_from_its_representative_on():
+    from locomm.protocol.membership import islands_led
+
+    rep = Heartbeat(peer="QmA", island="x", island_rep=True)
+    fol = Heartbeat(peer="QmB", island="x")
+    single = Heartbeat(peer="QmC")
+    assert members_for_round([rep, fol, single], 0, "QmC") == ["QmA", "QmC"]  # the follower is no member
+    assert members_for_round([rep, fol, single], 0, "QmB") == ["QmA", "QmB", "QmC"]  # except to itself
+    assert islands_led([rep, fol, single]) and islands_led([single])
+    assert not islands_led([Heartbeat(peer="QmA", island="x"), fol, single])  # formed, not yet published
+    assert islands_led([Heartbeat(peer="QmA", island="y", finished=True), single])  # a left peer names nothing

@@ -62,8 +62,21 @@ def train(
 @click.command()
 @click.option(
     "--algo",
-    type=click.Choice(["ddp", "diloco", "noloco", "gasloc", "sparseloco"]),
-    help="Outer algorithm (required, except with --pipeline: replica sync, default noloco).",
+    type=click.Choice(["ddp", "diloco", "noloco", "gasloc", "sparseloco", "scape"]),
+    help="Outer algorithm (required, except with --pipeline: replica sync, default noloco). scape: one island "
+    "syncing every step with SCAPE against dense AdamS and AdamW DDP and top-k on raw gradients "
+    "(--rounds x --inner-steps steps).",
+)
+@click.option(
+    "--sparsity",
+    type=float,
+    help="With --algo scape: outer.scape_sparsity, the share of coordinates not sent (0.9, 0.99; 0: dense AdamS).",
+)
+@click.option(
+    "--baselines/--no-baselines",
+    default=True,
+    show_default=True,
+    help="With --algo scape: also run dense AdamS DDP, dense AdamW DDP and top-k on raw gradients.",
 )
 @click.option(
     "--pipeline",
@@ -118,6 +131,8 @@ def train(
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write loss vs step and vs time (PNG).")
 def simulate(
     algo: str | None,
+    sparsity: float | None,
+    baselines: bool,
     pipeline_shape: str | None,
     no_subspace: bool,
     workers: int,
@@ -155,7 +170,27 @@ def simulate(
             as_json,
         )
         return
+    if algo == "scape":
+        _simulate_scape(
+            sparsity,
+            baselines,
+            workers,
+            rounds,
+            inner_steps,
+            link,
+            latency_ms,
+            tflops,
+            preset,
+            config,
+            eval_every,
+            seed,
+            sharding,
+            as_json,
+        )
+        return
     try:
+        if sparsity is not None:
+            raise ConfigError("--sparsity goes with --algo scape")
         if algo is None:
             raise ConfigError("--algo is required (or give --pipeline SxR)")
         spec = load_spec(config, preset or (None if config else "nano"))
@@ -245,3 +280,70 @@ def _simulate_pipeline(
     )
     if as_json:
         emit_json(result)
+
+
+def _simulate_scape(
+    sparsity: float | None,
+    baselines: bool,
+    workers: int,
+    rounds: int,
+    inner_steps: int | None,
+    link: str,
+    latency_ms: float,
+    tflops: float,
+    preset: str | None,
+    config: str | None,
+    eval_every: int,
+    seed: int | None,
+    sharding: str | None,
+    as_json: bool,
+) -> None:
+    """``simulate --algo scape``: one island of ``workers``, SCAPE every step, against its baselines."""
+    try:
+        from locomm.sim.network import parse_link  # noqa: PLC0415 - numpy only
+
+        spec = load_spec(config, preset or (None if config else "nano"))
+        if inner_steps is not None:
+            spec = spec.replace("outer", inner_steps=inner_steps)
+        if sparsity is not None:
+            spec = spec.replace("outer", scape_sparsity=sparsity)
+        spec = _seeded(spec, seed, sharding)
+        if rounds < 1 or not 2 <= workers <= 64:
+            raise ConfigError(f"--rounds must be >= 1 and --workers in [2, 64], got {rounds} and {workers}")
+        steps = rounds * spec.outer.inner_steps
+        link_bps = parse_link(link)
+    except (ConfigError, ValueError) as e:
+        fail(str(e))
+    from locomm.data import CorpusError, load_corpus  # noqa: PLC0415 - imports torch
+    from locomm.sim.scape import Cost, format_table, methods_for, run_method, summary  # noqa: PLC0415
+
+    cost = Cost(link_bps=link_bps, latency_s=latency_ms / 1000, tflops=tflops)
+    say = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
+    try:
+        splits = load_corpus(spec.data)
+    except CorpusError as e:
+        fail(str(e))
+    say(
+        f"scape x{workers}: {steps} steps of {spec.model.preset}, sparsity {spec.outer.scape_sparsity}, error "
+        f"feedback {'on' if spec.outer.scape_error_feedback else 'off'}; inner optimizer AdamS for scape, adams_ddp "
+        f"and topk_raw (inner.name={spec.inner.name!r} is not used), AdamW for adamw_ddp"
+    )
+    results = []
+    for method in methods_for(spec.outer.scape_sparsity, baselines):
+        try:
+            r = run_method(
+                spec, workers, steps, method, splits=splits, eval_every=eval_every * spec.outer.inner_steps, cost=cost
+            )
+        except FloatingPointError as e:
+            fail(str(e))
+        say(f"  {method}: val {r.final_val_loss:.4f} ({r.real_s:.0f} s)")
+        results.append(r)
+    out = summary(spec, results, cost)
+    if as_json:
+        emit_json(out)
+        return
+    click.echo(format_table(out["table"]))
+    click.echo(
+        f"bytes: one worker's message per step (fp32 values + LEB128 indices), dense {results[0].dense_bytes:.0f}; "
+        f"sim time: cost model at {link} / {latency_ms:g} ms, {tflops:g} TFLOP/s per worker"
+    )

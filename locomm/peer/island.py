@@ -323,7 +323,10 @@ class Island(IslandServing):
             finally:
                 link.writer.close()
         except (ConnectionError, TransferCut, asyncio.IncompleteReadError, ProtocolViolation, TimeoutError) as e:
-            raise LeaderLost(f"{type(e).__name__}: {e}") from None
+            # A broken stream from a representative that is still live (fresh heartbeat) is retried: its step may
+            # have gone on (then we resync); a dead one fails the next dial, and that fails over.
+            kind = LeaderBusy if self._leader_alive() else LeaderLost
+            raise kind(f"{type(e).__name__}: {e}") from None
 
     # -- outer rounds ---------------------------------------------------------------
 
@@ -384,6 +387,9 @@ class Island(IslandServing):
                 until = time.monotonic() + FORM_TIMEOUT_S
                 continue
             except (LeaderLost, ConnectionError, TransferCut, asyncio.IncompleteReadError, ProtocolViolation) as e:
+                if not isinstance(e, LeaderLost) and self._leader_alive() and time.monotonic() < until:
+                    await asyncio.sleep(0.5)  # a broken download from a live representative: ask again
+                    continue
                 await self._failover(str(e))
                 if self.leading:
                     self.need_resync = False
@@ -397,6 +403,11 @@ class Island(IslandServing):
             self.need_resync = False
             self.inbox.clear()
             return
+
+    def _leader_alive(self) -> bool:
+        b = self.host.beats.get(self.leader)
+        ttl = self.node.spec.network.heartbeat_ttl_s
+        return b is not None and not b.finished and self.host.dht_now() - b.time < ttl
 
     async def _failover(self, why: str) -> None:
         old = self.leader

@@ -44,7 +44,9 @@ class IslandServing:
         f, remote = call.msg.fields, call.remote
         self._check(call)
         t, cur = f.get("step"), self.sync.step
-        if not isinstance(t, int) or t not in (cur, cur + 1):
+        old = self.results.get(t) if isinstance(t, int) and t < cur else None
+        retry = old is not None and old.done() and self._rank(remote) in old.result().senders
+        if not isinstance(t, int) or (t not in (cur, cur + 1) and not retry):
             await call.answer(ErrorCode.STALE_ROUND, f"island step {t!r}, we are at {cur}", step=cur)
             return
         nv, nm = f.get("nv"), f.get("nm")
@@ -68,6 +70,9 @@ class IslandServing:
         if shard is not None and nm and (int(shard[0]) < lo or int(shard[-1]) >= hi):
             raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, "island step: mask slice outside the sender's slice")
         self.stats["step_bytes_received"] += 4 * nv + len(raw)
+        if retry:  # its answer of a step it took part in was lost on the way: the same buffer again
+            self.stats["step_bytes_sent"] += await write_synced(call, old.result())
+            return
         self.active.add(remote)
         self.inbox.setdefault(t, {})[remote] = ScapeMessage(self._rank(remote), t, values.clone(), shard)
         self.arrived.set()

@@ -176,7 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host-maddr", required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--tries", type=int, default=8, help="Starts to try before giving up (default 8)")
+    ap.add_argument("--tries", type=int, default=8, help="Starts to try before announcing one unchecked (default 8)")
     ap.add_argument("--probe-timeout", type=float, default=30.0, help="Seconds per probe (default 30)")
     args = ap.parse_args()
     sys.exit(asyncio.run(serve(args.host_maddr, args.out, args.tries, args.probe_timeout)))

@@ -63,6 +63,7 @@ from locomm.protocol.membership import live
 from locomm.protocol.messages import ErrorCode, ProtocolViolation, envelope
 from locomm.protocol.rounds import snapshot
 from locomm.protocol.scape import ScapeMessage, ScapeSync, Synced, encode_indices, reduce
+from locomm.protocol.timing import ema
 
 if TYPE_CHECKING:
     from locomm.peer.node import Node
@@ -230,9 +231,7 @@ class Island(IslandServing):
                 continue
             await self.host.compute(self._apply, synced)
             self.stats["steps_synced"] += 1
-            self.step_s = (
-                0.8 * self.step_s + 0.2 * (time.perf_counter() - t0) if self.step_s else time.perf_counter() - t0
-            )
+            self.step_s = ema(self.step_s, time.perf_counter() - t0, keep=0.8)
             sent, got = self.stats["step_bytes_sent"], self.stats["step_bytes_received"]
             self.host.events.write(
                 "island_step",

@@ -32,7 +32,11 @@ VARINT_MAX = 6
 def island_proof(key: SwarmKey, run_id: str, name: str, peer: str) -> str:
     """What a member of a closed island puts in its heartbeat: an HMAC of (run, island, its own peer id); a
     copy is worth nothing to another peer id. A key that lists peer ids needs none."""
-    return key.tag(f"locomm-island:{run_id}:{name}:{peer}".encode()).hex()
+    return key.tag(_proof_message(run_id, name, peer)).hex()
+
+
+def _proof_message(run_id: str, name: str, peer: str) -> bytes:
+    return f"locomm-island:{run_id}:{name}:{peer}".encode()
 
 
 def island_members(beats: Iterable[Any], name: str, key: SwarmKey | None, run_id: str) -> list[str]:
@@ -46,7 +50,7 @@ def island_members(beats: Iterable[Any], name: str, key: SwarmKey | None, run_id
                 tag = bytes.fromhex(b.island_proof)
             except ValueError:
                 continue
-            if not key.admits(b.peer, f"locomm-island:{run_id}:{name}:{b.peer}".encode(), tag):
+            if not key.admits(b.peer, _proof_message(run_id, name, b.peer), tag):
                 continue
         out.append(b.peer)
     return sorted(out)

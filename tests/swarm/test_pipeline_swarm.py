@@ -21,7 +21,9 @@ pytestmark = pytest.mark.timeout(420)
 
 def pipe_spec() -> RunSpec:
     spec = RunSpec.preset("nano").replace("data", batch_size=8, seq_len=64, max_corpus_mb=1.0)
-    spec = spec.replace("train", steps=32, eval_batches=2)  # long enough for the kill at step 6 to be seen
+    # Long enough for the kill at step 6 to be seen: the launcher reads the logs every 0.5 s, and on an idle
+    # machine a 32-step run went from before step 6 to its end between two reads (2 of 4 runs, no kill).
+    spec = spec.replace("train", steps=128, eval_batches=2)
     spec = spec.replace(
         "network",
         request_timeout_s=10.0,

@@ -17,7 +17,8 @@ Pausing (:func:`pause_here`, asked for through the control socket): at the next 
 exchange is finished and a heartbeat marked ``paused`` says nobody should wait for us from this round on (the
 members rule treats it as a goodbye); the node keeps serving its state and last payload. Resuming enters the
 swarm again as a joiner: partners never block on a paused peer, and the resumed one never trains on stale
-weights when the swarm moved on.
+weights when the swarm moved on. A pipeline stage replica pauses by the same rules (``Stage._pause_here``), and
+besides leaves every route: its siblings take its micro-batches.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from locomm.peer.control import ControlError, ControlServer, Handler, control_path
 from locomm.peer.state import StateMismatch, expected_layout, state_tensors
@@ -36,6 +37,7 @@ from locomm.protocol.membership import swarm_round
 if TYPE_CHECKING:
     from locomm.peer.host import Host
     from locomm.peer.node import Node
+    from locomm.peer.stage import Stage
 
 __all__ = [
     "DONORS",
@@ -46,7 +48,7 @@ __all__ = [
     "leave_swarm",
     "partner_gone",
     "pause_here",
-    "stage_handlers",
+    "pause_controls",
     "start_control",
 ]
 
@@ -129,9 +131,10 @@ def _donors(beats: list, top: int) -> list[str]:
     return [b.peer for b in sorted(near, key=lambda b: -b.round)[:DONORS]]
 
 
-def partner_gone(node: Node, peer: str, round_idx: int) -> bool:
-    """``Gossip.gone``: whether ``peer`` left before ``round_idx`` (its final heartbeat, as last read). While
-    we wait on a partner, the heartbeats are read again about once a second, so a goodbye is seen soon."""
+def partner_gone(node: Node | Stage, peer: str, round_idx: int) -> bool:
+    """``Gossip.gone``: whether ``peer`` left or was paused before ``round_idx`` (its final or paused heartbeat,
+    as last read). While we wait on a partner, the heartbeats are read again about once a second, so a goodbye is
+    seen soon."""
     b = node.host.beats.get(peer)
     if b is not None and (b.finished or b.paused) and b.round <= round_idx:
         return True
@@ -190,48 +193,55 @@ async def start_control(host: Host, handlers: Mapping[str, Handler]) -> None:
     host.spawn(server.serve())
 
 
-def stage_handlers(state: Callable[[], dict[str, Any]]) -> dict[str, Handler]:
-    """A pipeline stage's controls: ``status``; ``pause`` and ``resume`` are refused, saying why."""
+class Pausable(Protocol):
+    """What the control handlers drive: a data-parallel node or a pipeline stage."""
 
-    async def status() -> dict[str, Any]:
-        return state()
-
-    async def refuse() -> dict[str, Any]:
-        raise ControlError(
-            "pausing a pipeline stage is not built yet (its routes would need to skip it): stop the peer "
-            "(Ctrl-C) and start it again with the same --checkpoint-dir"
-        )
-
-    return {"status": status, "pause": refuse, "resume": refuse}
+    paused: bool
+    pause_wanted: asyncio.Event
+    resume_wanted: asyncio.Event
+    paused_now: asyncio.Event
 
 
-def control_handlers(node: Node) -> dict[str, Handler]:
-    """``pause`` (answered once the peer is paused, or after PAUSE_ANSWER_S with its phase), ``resume``,
-    ``status``."""
-
-    def state() -> dict[str, Any]:
-        return {"paused": node.paused, "phase": node.phase, "round": node.round, "step": node.trainer.step}
+def pause_controls(
+    driver: Pausable, state: Callable[[], dict[str, Any]], refused: Callable[[], Awaitable[str | None]]
+) -> dict[str, Handler]:
+    """``pause`` (answered once the peer is paused, or after PAUSE_ANSWER_S with its phase; refused, saying why,
+    when ``refused()`` gives a reason), ``resume``, ``status``."""
 
     async def pause() -> dict[str, Any]:
-        if node.left:
-            raise ControlError("the peer is leaving")
-        if node.island is not None:  # its island would drop it and resync it; not built or tested yet
-            raise ControlError("an island member cannot pause yet: stop it (Ctrl-C) and its island goes on")
-        node.resume_wanted.clear()
-        node.pause_wanted.set()
+        if (why := await refused()) is not None:
+            raise ControlError(why)
+        driver.resume_wanted.clear()
+        driver.pause_wanted.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(node.paused_now.wait(), PAUSE_ANSWER_S)
+            await asyncio.wait_for(driver.paused_now.wait(), PAUSE_ANSWER_S)
         return state()
 
     async def resume() -> dict[str, Any]:
-        node.pause_wanted.clear()
-        node.resume_wanted.set()
+        driver.pause_wanted.clear()
+        driver.resume_wanted.set()
         return state()
 
     async def status() -> dict[str, Any]:
         return state()
 
     return {"pause": pause, "resume": resume, "status": status}
+
+
+def control_handlers(node: Node) -> dict[str, Handler]:
+    """A data-parallel node's controls (:func:`pause_controls`)."""
+
+    def state() -> dict[str, Any]:
+        return {"paused": node.paused, "phase": node.phase, "round": node.round, "step": node.trainer.step}
+
+    async def refused() -> str | None:
+        if node.left:
+            return "the peer is leaving"
+        if node.island is not None:  # its island would drop it and resync it; not built or tested yet
+            return "an island member cannot pause yet: stop it (Ctrl-C) and its island goes on"
+        return None
+
+    return pause_controls(node, state, refused)
 
 
 async def pause_here(node: Node) -> None:

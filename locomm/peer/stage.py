@@ -36,9 +36,9 @@ from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
 from locomm.peer.host import Host, NodeOptions
-from locomm.peer.lifecycle import device_and_plan, stage_handlers, start_control
+from locomm.peer.lifecycle import device_and_plan, partner_gone, pause_controls, start_control
 from locomm.peer.partners import note_screening
-from locomm.peer.stage_checkpoint import StageCheckpoints
+from locomm.peer.stage_checkpoint import StageCheckpoints, siblings_ahead
 from locomm.peer.stage_service import Lost, StageService, eval_mid, stage_summary
 from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
@@ -71,7 +71,9 @@ class Stage:
         self.members = self.partners = self.last_answered = 0
         self.last_loss = self.val_loss = float("nan")
         self.tokens_per_s = 0.0
-        self.started = self.finished = False
+        self.started = self.finished = self.paused = False
+        self.phase = "training"
+        self.pause_wanted, self.resume_wanted, self.paused_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self.summary: dict[str, Any] = {}
         self.ckpts = StageCheckpoints(opts.checkpoint_dir, opts.checkpoint_every)
 
@@ -90,6 +92,7 @@ class Stage:
             step=self.worker.step,
             started=self.started,
             finished=self.finished,
+            paused=self.paused,
             loss=_finite(self.last_loss),
             val_loss=_finite(self.val_loss),
             mb_per_s=svc.mb_per_s(),
@@ -163,11 +166,12 @@ class Stage:
             self.round = self._rounds_due = self.svc.data_clock() // spec.outer.inner_steps
         self.gossip = host.gossip(self.codec)
         self.gossip.admit = self._admit_sync  # replica-sync pushes only from replicas of this stage
+        self.gossip.gone = lambda peer, r: partner_gone(self, peer, r)  # a sibling that left or paused: no waiting
         self.state_server = StateServer(host.run_id)
         await host.serve(self.svc.service(), self.gossip.service(), self.state_server.service())
         host.heartbeat = self.heartbeat
         await host.publish()
-        await start_control(host, stage_handlers(lambda: {"stage": self.stage, "step": self.worker.step}))
+        await start_control(host, pause_controls(self, self._control_state, self._pause_refused))
         if self.opts.initial_peers:
             await self._join_stage()
         await host.compute(self._snapshot, self.round)
@@ -197,13 +201,24 @@ class Stage:
         host.events.write("finished", **self.summary)
         return self.summary
 
-    async def _join_stage(self) -> None:
-        """A joiner of a stage that has trained: download the stage's weights and outer state from its replicas."""
-        host = self.host
-        beats = [b for b in await host.read_beats() if b.peer != host.me and b.stage == self.stage and not b.finished]
+    async def _join_stage(self, *, back_from_pause: bool = False) -> None:
+        """A joiner of a stage that has trained: download the stage's weights and outer state from its replicas
+        (paused ones are no donors). Back from a pause, or resumed from a checkpoint, only when they are a round
+        or more ahead of us."""
+        host, H = self.host, self.spec.outer.inner_steps
+        beats = [
+            b
+            for b in await host.read_beats()
+            if b.peer != host.me and b.stage == self.stage and not (b.finished or b.paused)
+        ]
         trained = [b for b in beats if b.step > 0]
-        if not trained or not self.ckpts.should_sync(trained, self.spec.outer.inner_steps, self.svc.data_clock()):
-            return  # nobody has trained yet, or our own checkpoint is as new as theirs
+        clock = self.svc.data_clock()
+        if back_from_pause:
+            wanted = bool(trained) and siblings_ahead((b.clock or b.step for b in trained), clock, H)
+        else:
+            wanted = bool(trained) and self.ckpts.should_sync(trained, H, clock)
+        if not wanted:
+            return  # nobody has trained yet, or our own state is as new as theirs
         # Replicas near the median step first: one claiming step 10^9 is not preferred (fetch_state drops it).
         median = statistics.median_low([b.step for b in trained])
         donors = [b.peer for b in sorted(trained, key=lambda b: abs(b.step - median))[:STATE_DONORS]]
@@ -215,7 +230,8 @@ class Stage:
                 log.warning("the downloaded state does not fit stage %d: %s", self.stage, e)
                 got = None
         if got is None:
-            log.warning("could not download stage %d's state; starting from the initial weights", self.stage)
+            own = "our own weights" if back_from_pause else "the initial weights"
+            log.warning("could not download stage %d's state; going on from %s", self.stage, own)
             host.events.write("sync_failed", donors=len(donors))
             return
         donor_round, tensors = got.round, got.tensors
@@ -228,6 +244,74 @@ class Stage:
         host.events.write("synced", donor_round=donor_round, tensors=len(tensors), step=step)
         log.info("stage %d: synced weights of step %d from %d donor(s)", self.stage, step, len(donors))
 
+    # -- pause and resume (``locomm-peer pause`` / ``resume``) ----------------------------
+
+    def _control_state(self) -> dict[str, Any]:
+        return {
+            "paused": self.paused,
+            "phase": self.phase,
+            "stage": self.stage,
+            "round": self.round,
+            "step": self.worker.step,
+        }
+
+    async def _pause_refused(self) -> str | None:
+        """Why this replica may not pause now (None: it may). A later stage's last unpaused replica may not: every
+        micro-batch would be lost until it resumed. Stage 0's may: the pipeline then idles, nothing is lost."""
+        if self.finished or self.host.stop.is_set():
+            return "the peer is leaving"
+        if self.stage == 0 or self.paused:
+            return None
+        with contextlib.suppress(Exception):
+            await self.host.read_beats()
+        others = [p for p in self.svc.live_replicas(self.stage, suspects=True) if p != self.host.me]
+        if not others:
+            return (
+                f"this is the only replica of stage {self.stage} that is not paused: pausing it would stop the "
+                "pipeline (no other replica takes its micro-batches); wait until another one serves this stage"
+            )
+        return None
+
+    async def _pause_here(self) -> None:
+        """Paused at a step boundary (stage 0) or once the frames it is serving are answered (later stages; new
+        ones are refused with NOT_READY meanwhile, and re-routed by their senders): the pending replica sync is
+        finished, a heartbeat marked ``paused`` takes us out of every route and out of the sync rounds from this
+        round on (``members_for_round``); the state server keeps serving our state. On resume, the stage's state
+        is downloaded when its other replicas moved a round or more past ours, and the paused mark stays up
+        until then, so nobody routes to us or plans us before we can serve."""
+        host, svc = self.host, self.svc
+        svc.paused = True
+        await svc.drained()
+        async with self._sync_lock:
+            if self.pending is not None:
+                await self._settle()
+        await host.compute(self._snapshot, self.round)
+        self.paused, self.phase = True, "paused"
+        await host.publish()
+        self.paused_now.set()
+        host.events.write("paused", stage=self.stage, round=self.round, step=self.worker.step)
+        log.info("stage %d paused at round %d (locomm-peer resume to go on)", self.stage, self.round)
+        t0 = time.monotonic()
+        await _first(None, host.stop, self.resume_wanted)
+        self.paused_now.clear()
+        self.resume_wanted.clear()
+        self.pause_wanted.clear()
+        if host.stop.is_set():  # leaving while paused
+            return
+        paused_at = self.round
+        await self._join_stage(back_from_pause=True)
+        if host.stop.is_set():
+            return
+        self._last_round_t = 0.0  # the paused time is no round's length (the siblings' sync deadline)
+        await host.compute(self._snapshot, self.round)
+        svc.paused = self.paused = False
+        self.phase = "training"
+        await host.publish()
+        host.events.write(
+            "resumed", stage=self.stage, round=self.round, paused_at=paused_at, paused_s=time.monotonic() - t0
+        )
+        log.info("stage %d resumed at round %d (paused at %d)", self.stage, self.round, paused_at)
+
     def _all_staged(self, beats: list[Heartbeat], n: int) -> bool:
         """``n`` peers, self included, announce a stage, and every stage has one."""
         staged = [b for b in beats if b.stage is not None]
@@ -237,7 +321,10 @@ class Stage:
         """Stages after 0 serve until every stage-0 replica has finished (or we are stopped)."""
         seen_driver = False
         while not self.host.stop.is_set():
-            await self.host.sleep(1.0)
+            await _first(1.0, self.host.stop, self.pause_wanted)
+            if self.pause_wanted.is_set() and not self.host.stop.is_set():
+                await self._pause_here()
+                continue
             with contextlib.suppress(Exception):
                 await self.host.read_beats()
             drivers = [b for b in self.host.beats.values() if b.stage == 0]
@@ -253,6 +340,7 @@ class Stage:
 
     def _load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_state(tensors, self.params(), self.algo)
+        self.worker.drop_accumulated()  # gradients of our old weights (a later stage paused mid-step)
 
     # -- stage 0: the training loop ------------------------------------------------------
 
@@ -310,6 +398,8 @@ class Stage:
                 every = self.opts.eval_every
                 if every and self.round % every == 0 and self.worker.step < self.spec.train.steps:
                     await self._evaluate()
+            if self.pause_wanted.is_set() and self.worker.step < self.spec.train.steps:
+                await self._pause_here()
 
     async def _evaluate(self) -> float:
         self.val_loss = await self.evaluate()
@@ -374,6 +464,7 @@ class Stage:
             members = members_for_round(beats, r, host.me, fresh_s=net.heartbeat_ttl_s, now=host.dht_now())
             planned = await host.compute(schedule.plan, self.algo, r, members, self.params())
             self.members, self.partners = len(members), len(planned.exchange.peers)
+            host.events.write("replica_sync", stage=self.stage, round=r, member_ids=members, partners=self.partners)
             t_due = time.monotonic() + sibling_wait_s(self.round_s, host.limits)
             task = host.spawn(
                 self.gossip.exchange(r, list(planned.exchange.peers), planned.exchange.payload, eta=lambda _p: t_due)
@@ -421,6 +512,16 @@ class Stage:
             note_screening(self.host, planned.round_idx, outcome)
         self._snapshot(planned.round_idx)
         self.worker.module.project_()
+
+
+async def _first(timeout: float | None, *events: asyncio.Event) -> None:
+    """Until one of ``events`` is set (or ``timeout`` seconds)."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 def _finite(x: float) -> float | None:

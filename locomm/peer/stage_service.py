@@ -33,6 +33,7 @@ from locomm.protocol.defence import RunningMedian
 from locomm.protocol.membership import live
 from locomm.protocol.messages import (
     STAGE_MESSAGES,
+    ActivationFrame,
     ErrorCode,
     ProtocolViolation,
     activation_header,
@@ -71,6 +72,11 @@ class StageService:
         """Micro-batches whose forward graph this stage holds (counted on the loop, before the forward runs)."""
         self.hold = 0
         """>0 while an outer update waits to be applied: new forwards wait for it."""
+        self.serving = 0
+        """Frames from the previous stage that this replica is processing (forward to the answer)."""
+        self.paused = False
+        """Its volunteer paused it (or it is pausing): new frames are refused with NOT_READY, so their senders
+        re-route them to a sibling, until the paused heartbeat takes it out of everyone's routes."""
         self._cond = asyncio.Condition()
         d = self.spec.defence
         self.norms = {"act": BoundaryNorm(d), "grad": BoundaryNorm(d)}
@@ -96,14 +102,17 @@ class StageService:
 
         return await self.host.compute(run)
 
-    def live_replicas(self, stage: int, *, suspects: bool = False) -> list[str]:
-        """Replicas of ``stage`` with a fresh heartbeat; without ``suspects``, not those that failed a hop lately."""
+    def live_replicas(self, stage: int, *, suspects: bool = False, paused: bool = False) -> list[str]:
+        """Replicas of ``stage`` with a fresh heartbeat; without ``suspects``, not those that failed a hop lately;
+        without ``paused``, not those their volunteers paused (they take no micro-batches)."""
         h, now = self.host, time.monotonic()
         beats = live(h.beats.values(), h.dht_now(), self.spec.network.heartbeat_ttl_s, stage=stage)
         return sorted(
             b.peer
             for b in beats
-            if b.peer not in h.faults.banned and (suspects or now >= self.suspect.get(b.peer, 0.0))
+            if b.peer not in h.faults.banned
+            and (suspects or now >= self.suspect.get(b.peer, 0.0))
+            and (paused or not b.paused)
         )
 
     # -- who may send, and how far a frame moves the clock --------------------------------
@@ -115,7 +124,7 @@ class StageService:
 
         def is_prev() -> bool:
             b = h.beats.get(remote)
-            return b is not None and b.stage == prev and remote in self.live_replicas(prev, suspects=True)
+            return b is not None and b.stage == prev and remote in self.live_replicas(prev, suspects=True, paused=True)
 
         if not await h.recheck(is_prev):
             raise ProtocolViolation(ErrorCode.UNAUTHORIZED, f"not a live replica of stage {prev}")
@@ -152,7 +161,17 @@ class StageService:
         act_raw = await call.link.read_part(f.act_nbytes)
         if len(tok_raw) != f.tokens_nbytes or len(act_raw) != f.act_nbytes:
             raise ProtocolViolation(ErrorCode.BAD_SHAPE, "a part differs from its declared size")
-        rpc = self.host.rpc
+        if self.paused:  # not a fault of the sender: it routed before it read our paused heartbeat
+            raise ProtocolViolation(ErrorCode.NOT_READY, "this replica is paused")
+        self.serving += 1
+        try:
+            await self._serve(call, f, tok_raw, act_raw)
+        finally:
+            self.serving -= 1
+            await self.notify()
+
+    async def _serve(self, call: Call, f: ActivationFrame, tok_raw: bytes, act_raw: bytes) -> None:
+        coder, rpc = self.coder, self.host.rpc
         try:
             window = coder.decode_window(tok_raw, f.batch, f.seq)
             h = await rpc.decode(coder.decode_activation, act_raw, window[:, :-1])
@@ -226,6 +245,11 @@ class StageService:
         finally:
             self.hold -= 1
             await self.notify()
+
+    async def drained(self) -> None:
+        """Until no frame from the previous stage is being processed here (its answer sent or failed)."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.serving)
 
     async def notify(self) -> None:
         async with self._cond:
@@ -398,5 +422,5 @@ def stage_summary(self: Any, initial: float, final: float) -> dict[str, Any]:
         "errors_answered": dict(h.rpc.stats.errors_answered),
         "exchanges_ok": g.exchanges_ok,
         "exchanges_failed": g.exchanges_failed,
-        "interrupted": h.stop.is_set() and not self.finished,
+        "interrupted": h.stop.is_set(),
     }

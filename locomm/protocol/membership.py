@@ -306,10 +306,10 @@ def live(beats: Iterable[Heartbeat], now: float, fresh_s: float, *, stage: int |
 
 
 def pick_stage(beats: Iterable[Heartbeat], stages: int, me: str, fresh_s: float = math.inf, now: float = 0.0) -> int:
-    """``--stage auto``: the stage with the fewest live replicas (a heartbeat younger than ``fresh_s``),
-    ties to the lowest."""
+    """``--stage auto``: the stage with the fewest live replicas (a heartbeat younger than ``fresh_s``; a paused
+    replica serves nothing, so it does not count), ties to the lowest."""
     counts = [0] * stages
     for b in live(beats, now, fresh_s):
-        if b.peer != me and b.stage is not None and b.stage < stages:
+        if b.peer != me and b.stage is not None and b.stage < stages and not b.paused:
             counts[b.stage] += 1
     return min(range(stages), key=lambda s: (counts[s], s))

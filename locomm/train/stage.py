@@ -130,6 +130,11 @@ class StageWorker:
 
     # -- steps ---------------------------------------------------------------------------
 
+    def drop_accumulated(self) -> None:
+        """Forget the gradients accumulated toward the next step (the weights they were taken at are gone)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accumulated = 0
+
     def lr_at(self, step: int) -> float:
         c = self.spec.inner
         return c.lr * cosine_with_warmup(step, c.warmup_steps, self.spec.train.steps, c.min_lr_ratio)

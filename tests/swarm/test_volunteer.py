@@ -3,8 +3,10 @@ from its peers' checkpoints after every peer stopped. Real `locomm-peer join` pr
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,84 @@ def test_swarm_restarts_from_checkpoints(tmp_path):
         assert abs(fin["initial_loss"] - before["final_loss"]) <= 0.02 * before["final_loss"], (fin, before)
         assert fin["final_loss"] < before["final_loss"]
         assert fin["rounds_completed"] == 7 and fin["exchanges_ok"] > 0
+
+
+def pipeline_spec_file(tmp: Path) -> Path:
+    spec = (
+        RunSpec.preset("nano")
+        .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
+        .replace("outer", algo="noloco", inner_steps=40)  # rounds of seconds, heartbeats every second
+        .replace("train", steps=4000, eval_batches=2, eval_interval=0)  # stopped by the test long before
+        .replace("network", request_timeout_s=10.0, stall_timeout_s=10.0, heartbeat_interval_s=1.0, heartbeat_ttl_s=6.0)
+        .replace("pipeline", stages=2, micro_batch_size=4, in_flight=2, stage_timeout_s=20.0)
+    )
+    path = tmp / "pipe.toml"
+    spec.save(path)
+    return path
+
+
+def test_pipeline_stage_pause_and_resume(tmp_path, launcher):
+    """A 2-stage pipeline, one stage-0 replica and two of stage 1. A paused stage-1 replica leaves every route
+    (its sibling takes all micro-batches, none is lost) and every replica-sync round; the last unpaused replica of
+    a stage may not pause; resumed, the paused one takes the stage's newer state and serves again."""
+    cfg = pipeline_spec_file(tmp_path)
+    dirs = [tmp_path / f"c{i}" for i in range(3)]
+    common = ("--wait-for-peers", "3", "--eval-every", "0")
+    s0 = launcher.start("s0", "--stage", "0", "--checkpoint-dir", str(dirs[0]), *common, config=cfg)
+    s1, s2 = (
+        launcher.start(
+            f"s{i}", "--stage", "1", "--checkpoint-dir", str(dirs[i]), *common, config=cfg, initial_peers=s0.address()
+        )
+        for i in (1, 2)
+    )
+    peers = [s0, s1, s2]
+
+    def steps() -> int:
+        return max((e["step"] for e in s0.events("step")), default=0)
+
+    def syncs(p: PeerProcess) -> list[dict]:
+        return p.events("replica_sync")
+
+    wait_until(lambda: len(syncs(s2)) >= 2, 180, "s2 takes part in two replica-sync rounds", peers)
+    out = control("pause", dirs[2])
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: s2.events("paused"), 60, "s2 pauses", peers)
+    paused = s2.events("paused")[0]
+    me2 = s2.events("started")[0]["peer"]
+    # The last unpaused replica of stage 1 may not pause: the pipeline would lose every micro-batch.
+    refused = control("pause", dirs[1])
+    assert refused.returncode != 0 and "only replica of stage 1" in refused.stderr, refused.stderr
+    # While s2 is paused the pipeline goes on through s1 alone: two more rounds, no micro-batch lost.
+    lost_before = len(s0.events("lost"))
+    first = max(e["round"] for e in syncs(s1))
+    wait_until(lambda: max(e["round"] for e in syncs(s1)) >= first + 3, 180, "s1 syncs 3 more rounds", peers)
+    assert len(s0.events("lost")) == lost_before, s0.events("lost")
+    assert not [e for e in syncs(s2) if e["round"] >= paused["round"]], syncs(s2)[-3:]
+    late = [e for e in syncs(s1) if e["round"] > first]
+    assert late and all(me2 not in e["member_ids"] for e in late), late
+
+    out = control("resume", dirs[2])
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: s2.events("resumed"), 60, "s2 resumes", peers)
+    resumed = s2.events("resumed")[0]
+    assert resumed["round"] > paused["round"], (paused, resumed)
+    assert s2.events("synced"), ("a replica resumed rounds behind takes the stage's state", s2.events()[-8:])
+    # It serves again: micro-batches reach it, so its data clock moves it through replica-sync rounds.
+    wait_until(
+        lambda: [e for e in syncs(s2) if e["round"] >= resumed["round"]], 180, "s2 syncs after the resume", peers
+    )
+    # Stage 0's replica may pause (the pipeline idles, nothing is lost): it stops at a step boundary.
+    out = control("pause", dirs[0])
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: s0.events("paused"), 60, "s0 pauses", peers)
+    at = steps()
+    assert at == s0.events("paused")[0]["step"]
+    time.sleep(2.0)
+    assert steps() == at  # no step while paused
+    assert control("resume", dirs[0]).returncode == 0
+    wait_until(lambda: steps() > at, 60, "s0 trains again", peers)
+    assert not s0.events("synced")  # no other stage-0 replica is ahead of it: it keeps its own state
+    s0.send_signal(signal.SIGTERM)  # stage 0 ends the run: the later stages finish once it has
+    for p in peers:
+        assert p.wait(timeout=120) == 0, p.tail()
+    assert s0.events("finished")

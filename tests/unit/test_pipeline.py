@@ -227,6 +227,9 @@ def test_stage_auto_picks_the_stage_with_fewest_fresh_replicas():
     assert pick_stage(beats, 3, "me", now=100.0) == 2  # the finished one does not count
     assert pick_stage(beats, 3, "me", fresh_s=5.0, now=100.0) == 1  # d's heartbeat is 20 s old: dead
     assert pick_stage([], 2, "me") == 0
+    # A paused replica serves nothing: stage 0 with one of its two paused has fewer serving replicas than stage 2.
+    paused = [beat("a", 0, 1), beat("b", 0, 1, paused=True), beat("c", 1, 1), beat("e", 2, 1)]
+    assert pick_stage(paused, 3, "me", now=100.0) == 0
 
 
 def test_simulate_pipeline_cli_json(tmp_path):

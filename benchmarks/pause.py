@@ -12,7 +12,10 @@ of consecutive ``round`` events' running sums) over the rounds from ``pause-at +
 read) to the resume, their mean and max; for ``paused``, also the rounds right after the pause (where a partner
 may still have planned peer 2), the three rounds after the resume (the resumed peer downloads the swarm's state
 from its donors, peers 0 and 1), peer 2's paused/resumed events and whether it took the swarm's state on resume.
-Run it on a quiet machine: the two runs are sequential, so other load on the cores shifts one against the other.
+Run it on a quiet machine: the two runs are sequential, so other load on the cores shifts one against the other;
+``--two-first`` swaps their order (alternate it across repeats). Each run's window also reports its mean round
+wall-clock and compute (wall less wait): a wait is the exchange's time past the compute's, so a run that
+computed faster shows more wait for the same exchange.
 The must-show: the mean wait per round while peer 2 is paused is no higher than in the 2-peer run.
 
     sudo python benchmarks/pause.py                       # ~4 minutes on 2 cores
@@ -54,8 +57,9 @@ def control(cmd: str, directory: Path) -> dict[str, Any]:
     return {"rc": out.returncode, **(json.loads(lines[-1]) if lines else {"stderr": out.stderr[-500:]})}
 
 
-def waits(events: list[dict[str, Any]]) -> dict[int, float]:
-    total = {e["round"]: e["wait_s"] for e in events if e.get("event") == "round"}
+def waits(events: list[dict[str, Any]], key: str = "wait_s") -> dict[int, float]:
+    """Per round: the difference of consecutive ``round`` events' running ``key`` (``wait_s``, ``wall_s``)."""
+    total = {e["round"]: e[key] for e in events if e.get("event") == "round"}
     return {r: total[r] - total[r - 1] for r in sorted(total) if r - 1 in total}
 
 
@@ -120,8 +124,12 @@ def figures(paused: dict[str, Any], two: dict[str, Any], pause_at: int) -> dict[
     re_ = next((e for e in p2 if e["event"] == "resumed"), None)
     out: dict[str, Any] = {"paused_event": pe, "resumed_event": re_, "window": {}, "resume_sync_wait_s": {}}
     while_paused, just_after, two_peers = [], [], []
+    # A round's wall-clock beside its wait: wait = the exchange's time past the compute's, so a run whose compute
+    # was faster (another load on the 2 cores during the other run) shows more wait for the same exchange.
+    walls: dict[str, list[float]] = {"while_paused": [], "two_peers": []}
     for name in ("peer0", "peer1"):
         w, w2 = waits(ev[name]), waits(two["events"][name])
+        r1, r2 = waits(ev[name], "wall_s"), waits(two["events"][name], "wall_s")
         rounds = [e for e in ev[name] if e["event"] == "round"]
         # The rounds peer 2 was paused through: from two rounds after the one this peer was in when the pause
         # was published (every peer has read it by then) to the one it was in at the resume.
@@ -132,6 +140,8 @@ def figures(paused: dict[str, Any], two: dict[str, Any], pause_at: int) -> dict[
         while_paused += [w[r] for r in range(lo, hi + 1) if r in w]
         just_after += [w[r] for r in range(lo - 2, lo) if r in w]
         two_peers += [w2[r] for r in range(lo, hi + 1) if r in w2]
+        walls["while_paused"] += [r1[r] for r in range(lo, hi + 1) if r in r1]
+        walls["two_peers"] += [r2[r] for r in range(lo, hi + 1) if r in r2]
         # What the resumed peer's state download (from us, among its donors) cost us: the rounds after the resume.
         out["resume_sync_wait_s"][name] = [round(w[r], 3) for r in range(hi + 1, hi + 4) if r in w]
     for key, xs in (("while_paused", while_paused), ("just_after_pause", just_after), ("two_peers", two_peers)):
@@ -141,6 +151,10 @@ def figures(paused: dict[str, Any], two: dict[str, Any], pause_at: int) -> dict[
             "max_s": max(xs) if xs else None,
             "per_round_s": [round(x, 3) for x in xs],
         }
+    for key, xs in walls.items():
+        out[key]["round_wall_mean_s"] = statistics.fmean(xs) if xs else None
+        m = out[key]["mean_s"]
+        out[key]["compute_mean_s"] = statistics.fmean(xs) - m if xs and m is not None else None
     out["synced_on_resume"] = any(e["event"] == "synced" for e in p2)
     out["finished_rounds"] = {
         name: next((e["rounds_completed"] for e in es if e["event"] == "finished"), None) for name, es in ev.items()
@@ -159,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pause-at", type=int, default=5)
     ap.add_argument("--pause-rounds", type=int, default=8, help="Rounds the others train while peer 2 is paused")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--two-first", action="store_true", help="Run the 2-peer swarm first (alternate across repeats)")
     args = ap.parse_args(argv)
     ok, why = netlab.available()
     if not ok:
@@ -168,12 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.inner_steps:
         spec = spec.replace("outer", inner_steps=args.inner_steps)
     spec = spec.replace("train", steps=max(spec.train.steps, args.rounds * spec.outer.inner_steps))
-    result: dict[str, Any] = {"config": str(args.config), "rate": args.rate, "rounds": args.rounds}
+    result: dict[str, Any] = {
+        "config": str(args.config),
+        "rate": args.rate,
+        "rounds": args.rounds,
+        "order": "two, paused" if args.two_first else "paused, two",
+    }
     with tempfile.TemporaryDirectory(prefix="locomm-pause-") as tmp:
         spec_path = Path(tmp) / "run.toml"
         spec.save(spec_path)
-        paused = run(args, spec_path, 3, Path(tmp) / "paused")
-        two = run(args, spec_path, 2, Path(tmp) / "two")
+        if args.two_first:  # the other order: the machine's drift between the two runs then falls the other way
+            two = run(args, spec_path, 2, Path(tmp) / "two")
+            paused = run(args, spec_path, 3, Path(tmp) / "paused")
+        else:
+            paused = run(args, spec_path, 3, Path(tmp) / "paused")
+            two = run(args, spec_path, 2, Path(tmp) / "two")
     result["figures"] = figures(paused, two, args.pause_at)
     result["runs"] = {
         "paused": {k: v for k, v in paused.items() if k != "events"},

@@ -200,6 +200,7 @@ class Pausable(Protocol):
     pause_wanted: asyncio.Event
     resume_wanted: asyncio.Event
     paused_now: asyncio.Event
+    refusal: str | None
 
 
 def pause_controls(
@@ -213,8 +214,11 @@ def pause_controls(
             raise ControlError(why)
         driver.resume_wanted.clear()
         driver.pause_wanted.set()
+        driver.refusal = None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(driver.paused_now.wait(), PAUSE_ANSWER_S)
+        if not driver.paused and driver.refusal is not None:  # called off after the first check (a stage)
+            raise ControlError(driver.refusal)
         return state()
 
     async def resume() -> dict[str, Any]:
@@ -252,7 +256,7 @@ async def pause_here(node: Node) -> None:
     paused mark stays up until that is done, so nobody plans us before we can train."""
     host = node.host
     node.paused, node.phase = True, "paused"
-    await host.publish()
+    await host.try_publish()
     node.paused_now.set()
     host.events.write("paused", round=node.round, step=node.trainer.step)
     log.info("paused at round %d (locomm-peer resume to go on)", node.round)
@@ -276,7 +280,7 @@ async def pause_here(node: Node) -> None:
         return
     await host.compute(node._snapshot, node.round)  # joiners get the state we train from now, not the paused one
     node.paused, node.phase = False, "training"
-    await host.publish()
+    await host.try_publish()
     host.events.write("resumed", round=node.round, paused_at=paused_at, paused_s=time.monotonic() - t0)
     log.info("resumed at round %d (paused at %d)", node.round, paused_at)
 

@@ -157,11 +157,13 @@ class StageService:
         if self.stage == 0:
             raise ProtocolViolation(ErrorCode.NOT_READY, "stage 0 takes no activations")
         await self._check_sender(call.remote)
+        if self.paused:  # not a fault of the sender: it routed before it read our paused heartbeat; no body read
+            raise ProtocolViolation(ErrorCode.NOT_READY, "this replica is paused")
         tok_raw = await call.link.read_part(f.tokens_nbytes)
         act_raw = await call.link.read_part(f.act_nbytes)
         if len(tok_raw) != f.tokens_nbytes or len(act_raw) != f.act_nbytes:
             raise ProtocolViolation(ErrorCode.BAD_SHAPE, "a part differs from its declared size")
-        if self.paused:  # not a fault of the sender: it routed before it read our paused heartbeat
+        if self.paused:  # paused while the body came
             raise ProtocolViolation(ErrorCode.NOT_READY, "this replica is paused")
         self.serving += 1
         try:

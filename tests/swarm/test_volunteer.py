@@ -172,13 +172,14 @@ def test_pipeline_stage_pause_and_resume(tmp_path, launcher):
     # The last unpaused replica of stage 1 may not pause: the pipeline would lose every micro-batch.
     refused = control("pause", dirs[1])
     assert refused.returncode != 0 and "only replica of stage 1" in refused.stderr, refused.stderr
-    # While s2 is paused the pipeline goes on through s1 alone: two more rounds, no micro-batch lost.
-    lost_before = len(s0.events("lost"))
+    # While s2 is paused the pipeline goes on through s1 alone: three more rounds, no micro-batch lost for s2.
     first = max(e["round"] for e in syncs(s1))
     wait_until(lambda: max(e["round"] for e in syncs(s1)) >= first + 3, 180, "s1 syncs 3 more rounds", peers)
-    assert len(s0.events("lost")) == lost_before, s0.events("lost")
+    assert not [e for e in s0.events("lost") if "paused" in e["why"]], s0.events("lost")
     assert not [e for e in syncs(s2) if e["round"] >= paused["round"]], syncs(s2)[-3:]
-    late = [e for e in syncs(s1) if e["round"] > first]
+    # s1 leaves s2 out of its rounds once it has read the paused heartbeat (read every second; a round may
+    # start just before that read, and s1 then stops waiting on s2 when it reads it).
+    late = [e for e in syncs(s1) if e["round"] >= paused["round"] + 2]
     assert late and all(me2 not in e["member_ids"] for e in late), late
 
     out = control("resume", dirs[2])
@@ -201,8 +202,10 @@ def test_pipeline_stage_pause_and_resume(tmp_path, launcher):
     assert steps() == at  # no step while paused
     assert control("resume", dirs[0]).returncode == 0
     wait_until(lambda: steps() > at, 60, "s0 trains again", peers)
-    assert not s0.events("synced")  # no other stage-0 replica is ahead of it: it keeps its own state
+    # A later stage that is paused when stage 0 ends the run ends with it.
+    assert control("pause", dirs[2]).returncode == 0
+    wait_until(lambda: len(s2.events("paused")) == 2, 60, "s2 pauses again", peers)
     s0.send_signal(signal.SIGTERM)  # stage 0 ends the run: the later stages finish once it has
     for p in peers:
         assert p.wait(timeout=120) == 0, p.tail()
-    assert s0.events("finished")
+    assert s0.events("finished") and s2.events("finished")

@@ -275,7 +275,17 @@ async def pause_here(node: Node) -> None:
     paused_at = node.round
     # Still marked paused while it syncs: a partner that read our new join round before the download ended would
     # plan us into rounds we miss, and wait out their deadlines for us.
-    await enter_swarm(node, resumed=None)
+    while True:
+        try:
+            await enter_swarm(node, resumed=None)
+            break
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the DHT failed us mid-resume: still paused, try again
+            log.warning("could not enter the swarm again (%s); still paused, trying again in 5 s", e)
+            await host.sleep(5.0)
+            if host.stop.is_set():
+                break
     if host.stop.is_set():  # stopped while it synced: it leaves as it was, paused
         return
     await host.compute(node._snapshot, node.round)  # joiners get the state we train from now, not the paused one

@@ -350,17 +350,6 @@ class Host:
         ttl = heartbeat_ttl(beat.round_s, self.spec.network.heartbeat_ttl_s)
         await store_heartbeat(self.dht, self.run_id, self.me, beat.record(), ttl)
 
-    async def try_publish(self) -> bool:
-        """:meth:`publish`, a DHT failure logged rather than raised (the heartbeat loop publishes again soon)."""
-        try:
-            await self.publish()
-            return True
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a failed store is retried by the heartbeat loop
-            log.warning("could not publish our heartbeat now (%s); the heartbeat loop tries again", e)
-            return False
-
     def publish_soon(self) -> None:
         """Store our heartbeat in the background (fresh round numbers keep joiners' choices right)."""
         self.spawn(self.publish(), background=True)

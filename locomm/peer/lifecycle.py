@@ -17,7 +17,7 @@ Pausing (:func:`pause_here`, asked for through the control socket): at the next 
 exchange is finished and a heartbeat marked ``paused`` says nobody should wait for us from this round on (the
 members rule treats it as a goodbye); the node keeps serving its state and last payload. Resuming enters the
 swarm again as a joiner: partners never block on a paused peer, and the resumed one never trains on stale
-weights when the swarm moved on. A pipeline stage replica pauses by the same rules (``Stage._pause_here``), and
+weights when the swarm moved on. A pipeline stage replica pauses by the same rules (``stage_pause.py``), and
 besides leaves every route: its siblings take its micro-batches.
 """
 
@@ -49,6 +49,7 @@ __all__ = [
     "partner_gone",
     "pause_here",
     "pause_controls",
+    "publish_quietly",
     "start_control",
 ]
 
@@ -193,6 +194,16 @@ async def start_control(host: Host, handlers: Mapping[str, Handler]) -> None:
     host.spawn(server.serve())
 
 
+async def publish_quietly(host: Host) -> None:
+    """``host.publish()``, a DHT failure logged rather than raised (the heartbeat loop publishes again soon)."""
+    try:
+        await host.publish()
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a failed store is retried by the heartbeat loop
+        log.warning("could not publish our heartbeat now (%s); the heartbeat loop tries again", e)
+
+
 class Pausable(Protocol):
     """What the control handlers drive: a data-parallel node or a pipeline stage."""
 
@@ -200,7 +211,6 @@ class Pausable(Protocol):
     pause_wanted: asyncio.Event
     resume_wanted: asyncio.Event
     paused_now: asyncio.Event
-    refusal: str | None
 
 
 def pause_controls(
@@ -214,11 +224,11 @@ def pause_controls(
             raise ControlError(why)
         driver.resume_wanted.clear()
         driver.pause_wanted.set()
-        driver.refusal = None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(driver.paused_now.wait(), PAUSE_ANSWER_S)
-        if not driver.paused and driver.refusal is not None:  # called off after the first check (a stage)
-            raise ControlError(driver.refusal)
+        # A stage's pause may be called off after this first check (stage_pause.py): its ``refusal`` says why.
+        if not driver.paused and (why := getattr(driver, "refusal", None)) is not None:
+            raise ControlError(why)
         return state()
 
     async def resume() -> dict[str, Any]:
@@ -256,7 +266,7 @@ async def pause_here(node: Node) -> None:
     paused mark stays up until that is done, so nobody plans us before we can train."""
     host = node.host
     node.paused, node.phase = True, "paused"
-    await host.try_publish()
+    await publish_quietly(host)
     node.paused_now.set()
     host.events.write("paused", round=node.round, step=node.trainer.step)
     log.info("paused at round %d (locomm-peer resume to go on)", node.round)
@@ -290,7 +300,7 @@ async def pause_here(node: Node) -> None:
         return
     await host.compute(node._snapshot, node.round)  # joiners get the state we train from now, not the paused one
     node.paused, node.phase = False, "training"
-    await host.try_publish()
+    await publish_quietly(host)
     host.events.write("resumed", round=node.round, paused_at=paused_at, paused_s=time.monotonic() - t0)
     log.info("resumed at round %d (paused at %d)", node.round, paused_at)
 

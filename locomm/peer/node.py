@@ -82,7 +82,6 @@ class Node:
         self.tokens_per_s = self.wait_s = 0.0
         self.started = self.left = self.paused = False
         self.pause_wanted, self.resume_wanted, self.paused_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.refusal: str | None = None  # a data-parallel pause is never called off once asked (lifecycle.py)
         self.step_in_round = 0
         self.summary: dict[str, Any] = {}
 

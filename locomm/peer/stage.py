@@ -36,9 +36,10 @@ from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
 from locomm.peer.host import Host, NodeOptions
-from locomm.peer.lifecycle import device_and_plan, partner_gone, pause_controls, start_control
+from locomm.peer.lifecycle import device_and_plan, partner_gone, start_control
 from locomm.peer.partners import note_screening
 from locomm.peer.stage_checkpoint import StageCheckpoints
+from locomm.peer.stage_pause import first_of, pause_stage, run_over, stage_controls
 from locomm.peer.stage_service import Lost, StageService, eval_mid, stage_summary
 from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
@@ -74,8 +75,7 @@ class Stage:
         self.started = self.finished = self.paused = False
         self.phase = "training"
         self.pause_wanted, self.resume_wanted, self.paused_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.refusal: str | None = None
-        """Why the last pause was called off after it was asked for (answered by ``pause``), if it was."""
+        self.refusal: str | None = None  # why the last pause was called off after it was asked for, if it was
         self._seen_driver = False
         self.summary: dict[str, Any] = {}
         self.ckpts = StageCheckpoints(opts.checkpoint_dir, opts.checkpoint_every)
@@ -174,7 +174,7 @@ class Stage:
         await host.serve(self.svc.service(), self.gossip.service(), self.state_server.service())
         host.heartbeat = self.heartbeat
         await host.publish()
-        await start_control(host, pause_controls(self, self._control_state, self._pause_refused))
+        await start_control(host, stage_controls(self))
         if self.opts.initial_peers:
             await self._join_stage()
         await host.compute(self._snapshot, self.round)
@@ -210,13 +210,7 @@ class Stage:
         Back from a pause, whenever they are in a later round than ours (they ran the rounds between without us):
         then we take their clock and round even if no download succeeds, keeping our own weights."""
         host, H = self.host, self.spec.outer.inner_steps
-        try:
-            beats = await host.read_beats()
-        except Exception as e:  # noqa: BLE001 - the DHT failed us: a joiner cannot start, a resumed peer goes on
-            if not back_from_pause:
-                raise
-            log.warning("could not read the heartbeats on resume (%s); going on from our own state", e)
-            return
+        beats = await host.read_beats()
         beats = [b for b in beats if b.peer != host.me and b.stage == self.stage and not (b.finished or b.paused)]
         trained = [b for b in beats if b.step > 0]
         clock = self.svc.data_clock()
@@ -252,126 +246,19 @@ class Stage:
             host.events.write("synced", donor_round=got.round, tensors=len(got.tensors), step=step)
             log.info("stage %d: synced weights of step %d from %d donor(s)", self.stage, step, len(donors))
 
-    # -- pause and resume (``locomm-peer pause`` / ``resume``) ----------------------------
-
-    def _control_state(self) -> dict[str, Any]:
-        return {
-            "paused": self.paused,
-            "phase": self.phase,
-            "stage": self.stage,
-            "round": self.round,
-            "step": self.worker.step,
-        }
-
-    async def _last_unpaused(self) -> bool:
-        """Whether no other live replica of our stage is unpaused (a fresh heartbeat read first, if it works)."""
-        with contextlib.suppress(Exception):
-            await self.host.read_beats()
-        return not [p for p in self.svc.live_replicas(self.stage, suspects=True) if p != self.host.me]
-
-    def _last_replica_refusal(self) -> str:
-        return (
-            f"this is the only replica of stage {self.stage} that is not paused: pausing it would stop the "
-            "pipeline (no other replica takes its micro-batches); wait until another one serves this stage"
-        )
-
-    async def _pause_refused(self) -> str | None:
-        """Why this replica may not pause now (None: it may). A later stage's last unpaused replica may not: every
-        micro-batch would be lost until it resumed. Stage 0's may: the pipeline then idles, nothing is lost."""
-        if self.finished or self.host.stop.is_set():
-            return "the peer is leaving"
-        if self.stage == 0 or self.paused:
-            return None
-        return self._last_replica_refusal() if await self._last_unpaused() else None
-
-    async def _pause_here(self) -> None:
-        """Paused at a step boundary (stage 0) or once the frames it is serving are answered (later stages; new
-        ones are refused with NOT_READY meanwhile, and re-routed by their senders): the pending replica sync is
-        finished, a heartbeat marked ``paused`` takes us out of every route and out of the sync rounds from this
-        round on (``members_for_round``); the state server keeps serving our state. On resume, the stage's state
-        is downloaded when its other replicas moved to a later round, and the paused mark stays up until then,
-        so nobody routes to us or plans us before we can serve. A later stage paused when stage 0 ends, ends.
-
-        The last-replica rule is checked again just before the paused heartbeat (a sibling may have paused while
-        we drained): then the pause is called off and ``pause`` answers why. Two siblings that both pass that
-        check within one heartbeat read can still both pause; their stage then loses micro-batches until one
-        resumes."""
-        host, svc = self.host, self.svc
-        svc.paused = True
-        await svc.drained()
-        async with self._sync_lock:
-            if self.pending is not None:
-                await self._settle()
-        refusal = None
-        if self.stage > 0 and not host.stop.is_set() and await self._last_unpaused():
-            refusal = self._last_replica_refusal()
-        if refusal is not None or not self.pause_wanted.is_set() or self.resume_wanted.is_set():
-            # Called off: refused now, or resumed while we drained (nothing was published: nobody left us out).
-            svc.paused = False
-            self.pause_wanted.clear()
-            self.resume_wanted.clear()
-            if refusal is not None:
-                self.refusal = refusal
-                host.events.write("pause_refused", stage=self.stage, why=refusal)
-                log.warning("pause called off: %s", refusal)
-            self.paused_now.set()  # wakes the pause request: it answers with the refusal, or that we train
-            self.paused_now.clear()
-            return
-        await host.compute(self._snapshot, self.round)
-        self.paused, self.phase = True, "paused"
-        await host.try_publish()
-        self.paused_now.set()
-        host.events.write("paused", stage=self.stage, round=self.round, step=self.worker.step)
-        log.info("stage %d paused at round %d (locomm-peer resume to go on)", self.stage, self.round)
-        t0 = time.monotonic()
-        while not (host.stop.is_set() or self.resume_wanted.is_set()):
-            await _first(1.0, host.stop, self.resume_wanted)
-            if self.stage > 0 and await self._run_over():
-                log.info("stage 0 has finished while we were paused: the run is over")
-                return  # _serve_until_done ends the run; we stay paused
-        self.paused_now.clear()
-        self.resume_wanted.clear()
-        self.pause_wanted.clear()
-        if host.stop.is_set():  # leaving while paused
-            return
-        paused_at = self.round
-        await self._join_stage(back_from_pause=True)
-        if host.stop.is_set():
-            return
-        self._last_round_t = 0.0  # the paused time is no round's length (the siblings' sync deadline)
-        await host.compute(self._snapshot, self.round)
-        svc.paused = self.paused = False
-        self.phase = "training"
-        await host.try_publish()
-        host.events.write(
-            "resumed", stage=self.stage, round=self.round, paused_at=paused_at, paused_s=time.monotonic() - t0
-        )
-        log.info("stage %d resumed at round %d (paused at %d)", self.stage, self.round, paused_at)
-
     def _all_staged(self, beats: list[Heartbeat], n: int) -> bool:
         """``n`` peers, self included, announce a stage, and every stage has one."""
         staged = [b for b in beats if b.stage is not None]
         return len(staged) >= n and {b.stage for b in staged} >= set(range(self.spec.pipeline.stages))
 
-    async def _run_over(self) -> bool:
-        """A later stage's end: every stage-0 replica we saw has finished, or is paused while another finished (a
-        paused driver that comes back after the run finds no stage to send to). One fresh heartbeat read first."""
-        with contextlib.suppress(Exception):
-            await self.host.read_beats()
-        drivers = [b for b in self.host.beats.values() if b.stage == 0]
-        self._seen_driver = self._seen_driver or bool(drivers)
-        if not self._seen_driver:
-            return False
-        return not drivers or (all(b.finished or b.paused for b in drivers) and any(b.finished for b in drivers))
-
     async def _serve_until_done(self) -> None:
-        """Stages after 0 serve until the run is over (:meth:`_run_over`) or we are stopped."""
+        """Stages after 0 serve until the run is over (``stage_pause.run_over``) or we are stopped."""
         while not self.host.stop.is_set():
-            await _first(1.0, self.host.stop, self.pause_wanted)
-            if self.host.stop.is_set() or await self._run_over():
+            await first_of(1.0, self.host.stop, self.pause_wanted)
+            if self.host.stop.is_set() or await run_over(self):
                 return
             if self.pause_wanted.is_set():
-                await self._pause_here()
+                await pause_stage(self)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -442,7 +329,7 @@ class Stage:
                 if every and self.round % every == 0 and self.worker.step < self.spec.train.steps:
                     await self._evaluate()
             if self.pause_wanted.is_set() and self.worker.step < self.spec.train.steps:
-                await self._pause_here()
+                await pause_stage(self)
 
     async def _evaluate(self) -> float:
         self.val_loss = await self.evaluate()
@@ -555,16 +442,6 @@ class Stage:
             note_screening(self.host, planned.round_idx, outcome)
         self._snapshot(planned.round_idx)
         self.worker.module.project_()
-
-
-async def _first(timeout: float | None, *events: asyncio.Event) -> None:
-    """Until one of ``events`` is set (or ``timeout`` seconds)."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
 
 
 def _finite(x: float) -> float | None:

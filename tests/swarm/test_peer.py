@@ -85,8 +85,11 @@ def flat(path: Path) -> torch.Tensor:
 
 def test_three_peers_join_and_kill(tmp_path, launcher):
     """3 peers train; a 4th joins mid-run and syncs state; one is SIGKILLed; the rest finish."""
-    cfg = swarm_spec(tmp_path)
-    end = "--until-round", "60"
+    # Rounds of 30 steps (~1 s idle): at 10 (0.3 s) a joiner started beside a CPU hog came up after ~30 s, when
+    # the swarm was at round 57 of 60, and every state download it tried was overtaken by the donors' rounds.
+    rounds = 30
+    cfg = swarm_spec(tmp_path, inner_steps=30)
+    end = "--until-round", str(rounds)
     peers: list[PeerProcess] = []
     try:
         peers.append(join(launcher, "p0", cfg, *end, "--wait-for-peers", "3", "--shard", "0/4"))
@@ -119,7 +122,7 @@ def test_three_peers_join_and_kill(tmp_path, launcher):
     assert synced["donor_round"] >= 3 and joiner.events("started")[0]["round"] >= synced["donor_round"]
     for p in survivors:
         fin = p.events("finished")[0]
-        assert fin["rounds_completed"] == 60
+        assert fin["rounds_completed"] == rounds
         assert fin["exchanges_ok"] > 0
     for p in (peers[0], peers[2]):
         fin = p.events("finished")[0]
@@ -135,7 +138,7 @@ def test_three_peers_join_and_kill(tmp_path, launcher):
     splits = load_corpus(spec.data)
     alone = [Trainer(spec, splits=splits, worker_id=i, num_workers=4) for i in (0, 2)]
     for t in alone:
-        for _ in range(60 * spec.outer.inner_steps):
+        for _ in range(rounds * spec.outer.inner_steps):
             t.train_step()
     apart = float(
         (

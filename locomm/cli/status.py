@@ -152,7 +152,7 @@ def render_stages(snap: dict[str, Any]) -> Table:
     )
     stages = sorted({p["stage"] for p in peers})
     t = Table(title=f"run {snap.get('run', '?')}: {len(stages)} stages, {len(peers)} stage replicas")
-    for col in ("stage", "replicas", "peer", "step", "loss", "mb/s", "re-routed", "lost", "staleness"):
+    for col in ("stage", "replicas", "peer", "state", "step", "loss", "mb/s", "re-routed", "lost", "staleness"):
         t.add_column(col, justify="right")
     for p in peers:
         n = sum(1 for q in peers if q["stage"] == p["stage"])
@@ -160,6 +160,7 @@ def render_stages(snap: dict[str, Any]) -> Table:
             str(p["stage"]),
             str(n),
             p["peer"][-10:],
+            p.get("state", "?"),
             str(p["step"]),
             _f(p["loss"]),
             _f(p.get("mb_per_s"), "{:.2f}"),

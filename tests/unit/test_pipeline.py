@@ -200,6 +200,7 @@ def test_status_shows_stage_replicas():
             "rerouted": i,
             "lost": 0,
             "heartbeat_age_s": 1.0,
+            "state": "paused" if i == 1 else "training",
         }
         for i, s in enumerate([0, 0, 1])
     ]
@@ -207,6 +208,7 @@ def test_status_shows_stage_replicas():
     console.print(render({"run": "r", "peers": peers}))
     text = console.export_text()
     assert "2 stages, 3 stage replicas" in text and "mb/s" in text and "re-routed" in text
+    assert text.count("paused") == 1 and text.count("training") == 2  # a paused replica says so
 
 
 def test_stage_auto_picks_the_stage_with_fewest_fresh_replicas():

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     result["rounds_events"] = {
         run_name: {
             name: [
-                {k: e.get(k) for k in ("round", "wait_s", "answered", "peers", "wall_s", "time")}
+                {k: e.get(k) for k in ("round", "wait_s", "answered", "peers", "wall_s", "compute_s", "tokens_per_s", "time")}
                 for e in es
                 if e["event"] == "round"
             ]

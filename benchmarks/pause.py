@@ -44,6 +44,8 @@ import _harness
 
 REPO = _harness.REPO
 CONFIG = REPO / "benchmarks" / "configs" / "links-nano.toml"
+ROUND_KEYS = ("round", "wait_s", "answered", "peers", "wall_s", "compute_s", "tokens_per_s", "time")
+"""What the result keeps of each round event."""
 
 
 def control(cmd: str, directory: Path) -> dict[str, Any]:
@@ -205,11 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["rounds_events"] = {
         run_name: {
-            name: [
-                {k: e.get(k) for k in ("round", "wait_s", "answered", "peers", "wall_s", "compute_s", "tokens_per_s", "time")}
-                for e in es
-                if e["event"] == "round"
-            ]
+            name: [{k: e.get(k) for k in ROUND_KEYS} for e in es if e["event"] == "round"]
             for name, es in r["events"].items()
         }
         for run_name, r in (("paused", paused), ("two", two))

@@ -45,6 +45,7 @@ __all__ = [
     "JOIN_MARGIN_ROUNDS",
     "STATE_ATTEMPTS",
     "enter_swarm",
+    "first_of",
     "leave_swarm",
     "partner_gone",
     "pause_here",
@@ -271,13 +272,7 @@ async def pause_here(node: Node) -> None:
     host.events.write("paused", round=node.round, step=node.trainer.step)
     log.info("paused at round %d (locomm-peer resume to go on)", node.round)
     t0 = time.monotonic()
-    stop = asyncio.ensure_future(host.stop.wait())
-    resume = asyncio.ensure_future(node.resume_wanted.wait())
-    try:
-        await asyncio.wait({stop, resume}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-        resume.cancel()
+    await first_of(None, host.stop, node.resume_wanted)
     node.paused_now.clear()
     node.resume_wanted.clear()
     if host.stop.is_set():  # leaving while paused: leave_swarm's final heartbeat follows
@@ -303,6 +298,16 @@ async def pause_here(node: Node) -> None:
     await publish_quietly(host)
     host.events.write("resumed", round=node.round, paused_at=paused_at, paused_s=time.monotonic() - t0)
     log.info("resumed at round %d (paused at %d)", node.round, paused_at)
+
+
+async def first_of(timeout: float | None, *events: asyncio.Event) -> None:
+    """Until one of ``events`` is set (or ``timeout`` seconds): a paused driver waits for resume or stop."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 def device_and_plan(host: Host) -> tuple[Any, Any]:

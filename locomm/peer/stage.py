@@ -36,10 +36,10 @@ from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
 from locomm.peer.host import Host, NodeOptions
-from locomm.peer.lifecycle import device_and_plan, partner_gone, start_control
+from locomm.peer.lifecycle import device_and_plan, first_of, partner_gone, start_control
 from locomm.peer.partners import note_screening
 from locomm.peer.stage_checkpoint import StageCheckpoints
-from locomm.peer.stage_pause import first_of, pause_stage, run_over, stage_controls
+from locomm.peer.stage_pause import pause_stage, run_over, stage_controls
 from locomm.peer.stage_service import Lost, StageService, eval_mid, stage_summary
 from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
@@ -213,9 +213,9 @@ class Stage:
         beats = await host.read_beats()
         beats = [b for b in beats if b.peer != host.me and b.stage == self.stage and not (b.finished or b.paused)]
         trained = [b for b in beats if b.step > 0]
-        clock = self.svc.data_clock()
+        clock, clocks = self.svc.data_clock(), [b.clock or b.step for b in trained]
         if back_from_pause:
-            wanted = bool(trained) and robust_top((b.clock or b.step for b in trained), slack=H) // H > clock // H
+            wanted = bool(trained) and robust_top(clocks, slack=H) // H > clock // H
         else:
             wanted = bool(trained) and self.ckpts.should_sync(trained, H, clock)
         if not wanted:
@@ -240,7 +240,7 @@ class Stage:
         step = robust_top((b.step for b in trained), slack=H)
         self.worker.step = step
         if self.stage > 0:  # the siblings' data clock: our rounds start at the round they are in
-            self.svc.clock = robust_top((b.clock or b.step for b in trained), slack=H)
+            self.svc.clock = robust_top(clocks, slack=H)
         self.round = self._rounds_due = self.svc.data_clock() // H
         if got is not None:
             host.events.write("synced", donor_round=got.round, tensors=len(got.tensors), step=step)

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from locomm.peer.control import Handler
-from locomm.peer.lifecycle import pause_controls, publish_quietly
+from locomm.peer.lifecycle import first_of, pause_controls, publish_quietly
 
 if TYPE_CHECKING:
     from locomm.peer.stage import Stage
@@ -147,13 +147,3 @@ async def run_over(st: Stage) -> bool:
     if not st._seen_driver:
         return False
     return not drivers or (all(b.finished or b.paused for b in drivers) and any(b.finished for b in drivers))
-
-
-async def first_of(timeout: float | None, *events: asyncio.Event) -> None:
-    """Until one of ``events`` is set (or ``timeout`` seconds)."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()

@@ -57,7 +57,7 @@ async def receiver(ip: str) -> None:
     from hivemind.p2p import P2P  # noqa: PLC0415
 
     from locomm.config.distributed import NetworkConfig  # noqa: PLC0415
-    from locomm.peer.rpc import Limits, RpcServer, Service  # noqa: PLC0415
+    from locomm.peer.transport.rpc import Limits, RpcServer, Service  # noqa: PLC0415
 
     p2p = await P2P.create(host_maddrs=[f"/ip4/{ip}/tcp/0"])
     with ThreadPoolExecutor(1) as pool:
@@ -87,8 +87,8 @@ async def sender(ip: str, target: str, cap: float | None, seconds: float, stream
     from hivemind.p2p import P2P  # noqa: PLC0415
 
     from locomm.config.distributed import NetworkConfig  # noqa: PLC0415
-    from locomm.peer.rpc import Limits, RpcServer, open_link  # noqa: PLC0415
-    from locomm.peer.shaper import Shaper  # noqa: PLC0415
+    from locomm.peer.transport.rpc import Limits, RpcServer, open_link  # noqa: PLC0415
+    from locomm.peer.transport.shaper import Shaper  # noqa: PLC0415
     from locomm.protocol.messages import envelope  # noqa: PLC0415
 
     p2p = await P2P.create(host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=[target])

@@ -16,7 +16,7 @@ locomm/testing/launcher.py, train for ``--minutes`` while faults drawn from ``ra
   join comes after the first spec record's TTL (and often after the peer that published it left);
 - ``leave_exchanging``: SIGINT or SIGTERM (to the peer alone or its group) just after one of its "round"
   events, while that round's exchange is in flight; ``leave_random``: the same at a random time. A clean
-  leave publishes a final 'finished' heartbeat (locomm/peer/lifecycle.py). Some seconds later the same
+  leave publishes a final 'finished' heartbeat (locomm/peer/presence.py). Some seconds later the same
   peer (its identity and checkpoint, with --config) or a fresh one (without) joins again.
 
 The live count (peers up and not stopped) stays in ``--floor`` .. ``--ceiling``: a fault that would take it

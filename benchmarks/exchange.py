@@ -172,10 +172,10 @@ class GossipPeer:
 
         from hivemind.p2p import P2P
 
-        import locomm.peer.gossip as gossip_mod
+        import locomm.peer.transport.gossip as gossip_mod
         from locomm.compression.payload import PayloadCodec
-        from locomm.peer.gossip import Faults, Gossip
-        from locomm.peer.rpc import Limits, RpcServer
+        from locomm.peer.transport.gossip import Faults, Gossip
+        from locomm.peer.transport.rpc import Limits, RpcServer
 
         self.p2p = await P2P.create(initial_peers=initial_peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         self.me = self.p2p.peer_id.to_base58()

@@ -152,7 +152,7 @@ async def make_ident(folder: Path, name: str, boot: str, run_id: str, ttl: float
     from hivemind.dht import DHTNode
     from hivemind.p2p import P2P
 
-    from locomm.peer.records import SwarmValidator, load_identity
+    from locomm.peer.transport.records import SwarmValidator, load_identity
 
     path = folder / f"{name}.id"
     async with _STARTS:  # p2pd starts one or two at a time: many at once miss their startup timeout here
@@ -176,7 +176,7 @@ async def make_ident(folder: Path, name: str, boot: str, run_id: str, ttl: float
 
 
 async def keep_beating(idents: list[Ident], run_id: str, ttl: float, stop: asyncio.Event) -> None:
-    from locomm.peer.swarm import store_heartbeat
+    from locomm.peer.transport.swarm import store_heartbeat
 
     while not stop.is_set():
         await asyncio.gather(

@@ -36,7 +36,7 @@ key the daemon does not write is null), its "round" and "exchange" log events ve
 link; then totals (exchanges, faults, bans, bytes, wall-clock, the share of compute wall-clock
 spent waiting on the network, mean losses) and ``paths``: one row per partner payload that arrived
 (receiver, sender, round, via push/pull, conn direct/relay, the pair's kind: open-open, open-nat, nat-nat),
-from the peers' ``exchange`` events (``locomm/peer/paths.py``), or their ``exchange path:`` log lines.
+from the peers' ``exchange`` events (``locomm/peer/transport/paths.py``), or their ``exchange path:`` log lines.
 Needs root (netlab.available() says why not). Ctrl-C
 or SIGTERM: the lab stops the peers (SIGINT, then SIGKILL after ``--grace``), deletes the
 namespaces, and the partial JSON is still written.

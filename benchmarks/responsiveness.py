@@ -11,7 +11,7 @@ receiver's loop:
 - a heartbeat-like *ticker* wakes every ``--interval`` s (``asyncio.sleep``): the
   gaps between its ticks are the figure (a blocked loop shows as a long gap);
 - a *heartbeat* task stores a heartbeat record in the DHT every ``--interval`` s
-  (``locomm.peer.swarm.store_heartbeat``, awaited, then a sleep: as the node's
+  (``locomm.peer.transport.swarm.store_heartbeat``, awaited, then a sleep: as the node's
   heartbeat loop): the gaps between stores that completed;
 - a 10 ms *probe* gives the loop's lag at a finer grain (its p99 is meaningful
   where a 0.5 s ticker gives only a few gaps).
@@ -108,8 +108,8 @@ class Node:
         from hivemind.p2p import P2P
 
         from locomm.compression.payload import PayloadCodec
-        from locomm.peer.gossip import Faults, Gossip
-        from locomm.peer.rpc import Limits, RpcServer
+        from locomm.peer.transport.gossip import Faults, Gossip
+        from locomm.peer.transport.rpc import Limits, RpcServer
 
         class LoopDecodeServer(RpcServer):
             """The previous gossip's receive path: read every part, then decode all of it on the loop thread."""
@@ -173,7 +173,7 @@ class Node:
 
 def sender_process(conn: Any, mib: int, codec_name: str, seed: int) -> None:
     async def main() -> None:
-        from locomm.peer.gossip import Outgoing
+        from locomm.peer.transport.gossip import Outgoing
 
         node = Node(shapes_for(mib), codec_name)
         try:
@@ -231,7 +231,7 @@ def pct(xs: list[float], q: float) -> float | None:
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from locomm.peer.swarm import store_heartbeat
+    from locomm.peer.transport.swarm import store_heartbeat
 
     shapes = shapes_for(args.mb)
     ctx = mp.get_context("spawn")

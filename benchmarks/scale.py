@@ -14,7 +14,7 @@ compute are those of a 125M-parameter model (bytes and FLOPs x 125M / nano, done
 and compute speed / k; the fixed timeouts in seconds stay as they are). The reference is DiLoCo
 with a 3600 s all-reduce timeout (``diloco_sized_timeout``: every butterfly completes, so DiLoCo is
 not handicapped by a deadline); ``--runs diloco`` runs it with the daemon's own deadline, sized by bytes
-(network.request_timeout_s + 2 S / floor rate, as peer/node.py sets it), which a butterfly paced by
+(network.request_timeout_s + 2 S / floor rate, as peer/dataparallel/node.py sets it), which a butterfly paced by
 a member under the floor rate misses.
 
 ``replay``: 256 and 1024 workers, timeline only. Assumptions (stated in the README): the loss after

@@ -11,7 +11,7 @@ from locomm.cli.display import make_reporter
 from locomm.config import ConfigError, RunSpec
 from locomm.data import CorpusError
 from locomm.peer import lifeline
-from locomm.peer.node import Node, NodeOptions
+from locomm.peer.dataparallel.node import Node, NodeOptions
 
 
 def setup_logging(verbose: int) -> None:
@@ -42,8 +42,8 @@ def run_node(
         reporter = make_reporter(quiet=quiet or stage is not None)  # pipeline mode: the event log, no live line
     try:
         try:
-            if stage is not None:  # pipeline mode: serve one stage (locomm/peer/stage.py)
-                from locomm.peer.stage import Stage  # noqa: PLC0415
+            if stage is not None:  # pipeline mode: serve one stage (locomm/peer/pipeline/stage.py)
+                from locomm.peer.pipeline.stage import Stage  # noqa: PLC0415
 
                 node = Stage(spec, NodeOptions(reporter=reporter, **options), stage=stage)
             else:

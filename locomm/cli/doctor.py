@@ -72,10 +72,10 @@ def doctor(
             _check_maddr(m)
     except ConfigError as e:
         fail(str(e))
-    from locomm.peer.doctor import Check, local_checks, render, report  # noqa: PLC0415 - imports torch
+    from locomm.doctor.machine import Check, local_checks, render, report  # noqa: PLC0415 - imports torch
 
     if initial_peers:
-        from locomm.peer.preflight import run_swarm_checks  # noqa: PLC0415 - imports hivemind
+        from locomm.doctor.swarm import run_swarm_checks  # noqa: PLC0415 - imports hivemind
 
         checks, info = run_swarm_checks(
             list(initial_peers), swarm_key=key, host_maddrs=list(host_maddrs), announce_maddrs=list(announce_maddrs)

@@ -35,7 +35,7 @@ def check_swarm_key(path: Path | None) -> Path | None:
     """The absolute path of a usable --swarm-key file (ConfigError when it is not one), or None."""
     if path is None:
         return None
-    from locomm.peer.records import SwarmKey  # noqa: PLC0415 - imports hivemind
+    from locomm.peer.transport.records import SwarmKey  # noqa: PLC0415 - imports hivemind
 
     SwarmKey.load(path)
     return path.resolve()

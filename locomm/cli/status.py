@@ -1,6 +1,6 @@
 """`locomm-peer status`: read the run spec and heartbeats from the DHT and print the swarm.
 
-Every record is checked as a peer checks it (``peer/records.py``): the spec is the one the peers named in
+Every record is checked as a peer checks it (``peer/transport/records.py``): the spec is the one the peers named in
 --initial-peers signed, and only heartbeats whose signature (and, with --swarm-key, admission) verifies
 are listed.
 """
@@ -26,8 +26,8 @@ async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> d
     from hivemind.utils import get_dht_time  # noqa: PLC0415
 
     from locomm.config import RunSpec  # noqa: PLC0415
-    from locomm.peer.records import SwarmKey, SwarmValidator  # noqa: PLC0415
-    from locomm.peer.swarm import fetch_spec, peer_ids_of, read_heartbeats  # noqa: PLC0415
+    from locomm.peer.transport.records import SwarmKey, SwarmValidator  # noqa: PLC0415
+    from locomm.peer.transport.swarm import fetch_spec, peer_ids_of, read_heartbeats  # noqa: PLC0415
 
     trusted = peer_ids_of(initial_peers)
     if not trusted:

@@ -205,7 +205,7 @@ def join(
         if island_key is not None:
             if island is None:
                 raise ConfigError("--island-key closes an island: give --island NAME too")
-            from locomm.peer.records import SwarmKey  # noqa: PLC0415 - imports hivemind
+            from locomm.peer.transport.records import SwarmKey  # noqa: PLC0415 - imports hivemind
 
             SwarmKey.load(island_key)  # a bad file fails here, in one line
         if island is not None and (stage is not None or not 2 <= island_size <= 64 or not 0 < len(island) <= 64):

@@ -3,7 +3,7 @@
 Swarms of hivemind and Petals usually start from such nodes: long-lived, on a public address, the
 ``--initial-peers`` of everyone. ``locomm-peer bootstrap`` runs one:
 
-- P2P and a DHT node with the swarm's record validator (``peer/records.py``): in a closed swarm
+- P2P and a DHT node with the swarm's record validator (``peer/transport/records.py``): in a closed swarm
   (``--swarm-key``) it stores only records that carry the key; in an open one it stores any record, and
   every reader checks what it reads;
 - with ``--config`` (or ``--preset``) it publishes that run spec under its own key and keeps it alive
@@ -32,8 +32,8 @@ from hivemind.p2p import P2P
 from locomm.atomic import atomic_write_text
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.options import NodeOptions
-from locomm.peer.records import SPEC_TTL_S, SwarmKey, SwarmValidator, load_identity
-from locomm.peer.swarm import publish_spec
+from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, SwarmValidator, load_identity
+from locomm.peer.transport.swarm import publish_spec
 
 __all__ = ["run_bootstrap"]
 

@@ -1,7 +1,7 @@
 """One host for every peer mode: P2P and the DHT node, the settled spec, the RPC server, heartbeats,
 metrics, the event log and shutdown.
 
-A driver (the data-parallel :class:`locomm.peer.node.Node`, the pipeline :class:`locomm.peer.stage.Stage`)
+A driver (the data-parallel ``dataparallel.node.Node``, the pipeline ``pipeline.stage.Stage``)
 composes a host; it does not inherit one::
 
     async with Host(spec, opts, authorize_policy) as host:   # everything is up here
@@ -41,15 +41,15 @@ from hivemind.utils import get_dht_time
 from locomm.atomic import atomic_write_text
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
-from locomm.peer.gossip import Faults, Gossip
 from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.options import NodeOptions
-from locomm.peer.records import SPEC_TTL_S, SwarmKey, SwarmValidator, heartbeat_ttl, load_identity
-from locomm.peer.rpc import RpcServer, Service
-from locomm.peer.shaper import Shaper
 from locomm.peer.spec_sync import settle_spec
-from locomm.peer.state import Synced, fetch_state
-from locomm.peer.swarm import peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
+from locomm.peer.transport.gossip import Faults, Gossip
+from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, SwarmValidator, heartbeat_ttl, load_identity
+from locomm.peer.transport.rpc import RpcServer, Service
+from locomm.peer.transport.shaper import Shaper
+from locomm.peer.transport.state_sync import Synced, fetch_state
+from locomm.peer.transport.swarm import peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
 from locomm.protocol.membership import Heartbeat
 from locomm.protocol.timing import Limits
 
@@ -89,7 +89,7 @@ class Host:
         self.identity: Path
         """The identity file P2P runs with (its key signs every record this host writes)."""
         self.validator: SwarmValidator
-        """The DHT's record validator: signs our records, checks everyone's (``peer/records.py``)."""
+        """The DHT's record validator: signs our records, checks everyone's (``peer/transport/records.py``)."""
         self.p2p: P2P
         self.dht: DHTNode
         self.me: str
@@ -278,12 +278,14 @@ class Host:
             parallel_threshold=int(cfg.parallel_threshold_mb * 2**20),
             max_wait_s=cfg.max_wait_s,
         )
-        g.stats.paths.sink = self.events.write  # one "exchange" event per payload: how it came (peer/paths.py)
+        g.stats.paths.sink = (
+            self.events.write
+        )  # an "exchange" event per payload (transport/paths.py)
         return g
 
     async def fetch_state(self, donors: list[str], expected: Mapping[str, tuple[int, ...]]) -> Synced | None:
         """A state of ``expected``'s layout (the driver's own model) that a minority of lying ``donors`` cannot
-        steer (see ``peer/state.py``), or None: the driver starts from its own weights. Liars are faults."""
+        steer (``transport/state_sync.py``), or None: the driver starts from its own weights. Liars are faults."""
         return await fetch_state(
             self.p2p,
             run_id=self.run_id,

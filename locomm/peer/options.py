@@ -86,7 +86,7 @@ class NodeOptions:
     """Serve ``locomm-peer pause``/``resume`` on a local socket next to the checkpoint folder (owner only)."""
     island: str | None = None
     """``join --island NAME``: train with the peers of the same island name as one worker, SCAPE every step
-    (``peer/island.py``); None: a peer on its own."""
+    (``peer/island/member.py``); None: a peer on its own."""
     island_size: int = 2
     island_key: Path | None = None
     """Closes the island (a secret of >= 32 bytes, or a list of peer ids, as ``--swarm-key``); None: open."""

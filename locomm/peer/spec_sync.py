@@ -2,7 +2,7 @@
 
 - No ``--initial-peers``: the peer starts a swarm with its own spec.
 - ``--initial-peers`` without ``--config``: the spec the named peers (their ``/p2p/ID``) sign, and nobody
-  else's (``peer/records.py``); they must agree. None found is an error (is --initial-peers right? a
+  else's (``peer/transport/records.py``); they must agree. None found is an error (is --initial-peers right? a
   bootstrap node that trains nothing publishes a spec only when it was given one).
 - ``--initial-peers`` with ``--config``: the swarm's spec must be this one. When the named peers publish
   none (a dedicated bootstrap node, ``locomm-peer bootstrap``, that trains nothing), this peer's own spec
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from locomm import PROTOCOL_VERSION
 from locomm.config import RunSpec
 from locomm.peer.options import SpecMismatch
-from locomm.peer.swarm import fetch_spec, peer_ids_of
+from locomm.peer.transport.swarm import fetch_spec, peer_ids_of
 
 if TYPE_CHECKING:
     from locomm.peer.host import Host

@@ -1,6 +1,6 @@
 """Membership, sans-IO: the typed heartbeat record, the members of a round, and the stage choice.
 
-A heartbeat is what one peer publishes about itself in the DHT (``peer/swarm.py`` moves it). Every
+A heartbeat is what one peer publishes about itself in the DHT (``peer/transport/swarm.py`` moves it). Every
 field is parsed and checked here, once, when a record is read: :meth:`Heartbeat.parse` returns
 ``None`` for a record with any bad field (wrong type, not finite, out of range, too long), so one
 malformed record from any peer is a dropped record, never an exception inside a round loop.
@@ -174,13 +174,13 @@ class Heartbeat:
     microbatches: int = 0
     rerouted: int = 0
     lost: int = 0
-    # Islands (peer/island.py).
+    # Islands (peer/island/member.py).
     island: str = ""
     """The island this peer trains in ('': none)."""
     island_rep: bool = False
     """It represents its island in the outer rounds; the island's other members are members of no round."""
     island_proof: str = ""
-    """A closed island's HMAC of this peer id (hex; ``peer/island.py``)."""
+    """A closed island's HMAC of this peer id (hex; ``peer/island/member.py``)."""
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """Fields this version does not know (a newer peer's), kept for display only."""
 

@@ -1,7 +1,7 @@
 """The round schedule both transports follow: plan, the copy that was sent, and when the outer update lands.
 
 Sans-IO: tensors and an outer algorithm in, tensors out; the transport moves the payloads.
-One round of one worker (``peer/node.py``, ``peer/stage.py``, ``sim/simulator.py``,
+One round of one worker (``peer/dataparallel/node.py``, ``peer/pipeline/stage.py``, ``sim/simulator.py``,
 ``sim/pipeline.py``):
 
     planned = plan(algo, r, members, params)     # theta_sent: a copy of the weights, and the payload

@@ -2,7 +2,7 @@
 
 An island is a few workers on a fast link that train as one data-parallel worker: every inner step they
 synchronize one sparse gradient buffer and each steps its own AdamS on it, so they stay identical. One
-worker's step ``t`` (sans-IO: the transport moves the messages; ``sim/scape.py`` and ``peer/island.py``):
+worker's step ``t`` (sans-IO: the transport moves the messages; ``sim/scape.py`` and ``peer/island/member.py``):
 
     msg    = sync.plan(grads, first_moment)   # u = g + r (error feedback); send u on M_t, r keeps u off M_t;
                                               # plus this worker's shard of M_{t+1}, from |m_{t-1}|

@@ -1,7 +1,7 @@
 """State-sync messages: the manifest and fetch requests a joiner sends a donor, and their validation.
 
 Everything a donor declares is bounded here before it is used (counts, name lengths, dims, total
-elements); ``peer/state.py`` then checks a manifest against the joiner's own layout.
+elements); ``peer/transport/state_sync.py`` then checks a manifest against the joiner's own layout.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ MAX_DIMS = 8
 """Dimensions of one manifest tensor."""
 MAX_STATE_ELEMS = 1 << 34
 """Elements of a whole manifest (64 GiB of fp32): a ceiling on what any donor may declare. The joiner
-checks each manifest against its own model's layout on top of this (``peer/state.py``)."""
+checks each manifest against its own model's layout on top of this (``peer/transport/state_sync.py``)."""
 STATE_DTYPES = ("float32",)
 """The dtypes a state tensor travels in (a snapshot is fp32)."""
 

@@ -9,7 +9,7 @@ Notable:
   A transfer is cut off when it stalls (no byte for ``stall_timeout_s``), when it runs
   past its declared size at the floor rate (``deadline_s``), or when, over any
   ``rate_window_s`` of waiting, it moved less than the floor. The RPC layer
-  (``peer/rpc.py``), the fluid flow model (``sim/flows.py``) and the simulator's
+  (``peer/transport/rpc.py``), the fluid flow model (``sim/flows.py``) and the simulator's
   timeline (``sim/timeline.py``) all read this one class. ``Limits.never()`` waits
   forever (a simulator without deadlines).
 - ``partner_eta``: when a partner's payload of round r should have arrived, from what

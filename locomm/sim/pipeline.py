@@ -10,7 +10,7 @@ Notable:
   origin, the origin's micro-batch counter, stage) over the replicas' names (``names``: the
   peer ids of a real swarm, to draw exactly its routes; evaluation micro-batches count too,
   as in the daemon). Stage-0 replica r draws data shard r of R (``shards`` to change that).
-- The stage daemon's schedule (``peer/stage.py``): stage 0 steps after each batch, a later
+- The stage daemon's schedule (``peer/pipeline/stage.py``): stage 0 steps after each batch, a later
   stage after every batch's worth of micro-batches it served (``StageWorker.maybe_step``).
   Each replica's data clock (stage 0: its step; later stages: the largest stage-0 step
   among the micro-batches it served) ends replica-sync round r at (r + 1) H; the replicas

@@ -1,6 +1,6 @@
 """Per-worker timelines of the daemon's schedule, round by round, with its deadlines.
 
-What a worker does in round r (``peer/node.py: Node._train``), and what this charges for it:
+What a worker does in round r (``peer/dataparallel/node.py: Node._train``), and what this charges for it:
 
     start_r = plan_{r-1}                 with overlap (default): the exchange of r-1 runs meanwhile
             = end_{r-1}                  without overlap (--no-overlap): it waits for it first
@@ -11,7 +11,7 @@ What a worker does in round r (``peer/node.py: Node._train``), and what this cha
 
 Exchanges, by how the daemon runs them:
 
-- ``direct`` (NoLoCo, GASLoC, SparseLoCo: ``peer/gossip.py``). At plan_r the worker pushes its payload
+- ``direct`` (NoLoCo, GASLoC, SparseLoCo: ``peer/transport/gossip.py``). At plan_r the worker pushes its payload
   to each partner; a push to j starts once j has opened round r - 1 (its receive window) and runs as
   a flow of a max-min fair fluid model of every uplink and downlink (``sim/flows.py``), which also
   applies the byte-sized transfer deadlines (floor rate over a window, size deadline). The worker
@@ -21,7 +21,7 @@ Exchanges, by how the daemon runs them:
   waiting, and for as long as p's transfer is moving. A partner whose payload is not here by then is
   skipped for the round (its bytes, if they come later, are not used). end_r is when every partner
   has arrived or been skipped and the worker's own pushes are over (``gossip.exchange`` awaits them).
-- ``butterfly`` (DiLoCo: hivemind's DecentralizedAverager, ``peer/averaging.py``). Group assembly: a
+- ``butterfly`` (DiLoCo: hivemind's DecentralizedAverager, ``peer/dataparallel/averaging.py``). Group assembly: a
   worker calls ``step()`` at plan_r; the group (target size = all members) assembles when the last
   member arrives, plus ``MATCHMAKING_LATENCIES`` one-way latencies (DHT declare and lookup, join
   request, the leader's begin message). A member later than ``request_timeout_s`` after the first

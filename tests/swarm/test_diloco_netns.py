@@ -1,6 +1,7 @@
 """DiLoCo across machines: 2 real nano peers in 2 network namespaces all-reduce over hivemind's averager.
 
-The DiLoCo baseline's averager runs its own hivemind.DHT (a second p2pd per peer, locomm/peer/averaging.py).
+The DiLoCo baseline's averager runs its own hivemind.DHT (a second p2pd per peer,
+peer/dataparallel/averaging.py).
 It used to listen on 127.0.0.1 only, so two machines could never average; it now binds the node's host
 addresses' IPs (and announces its announce addresses, with the node's relay settings). Runs
 benchmarks/links.py --algo diloco with 2 peers for 2 rounds, each in its own namespace (no loopback

@@ -1,4 +1,4 @@
-"""Islands (``peer/island.py``): peers that sync every step with SCAPE and meet the swarm through one representative.
+"""Islands (``peer/island/``): peers that sync every step with SCAPE and meet the swarm through one representative.
 Real ``locomm-peer`` processes on loopback, with ``LOCOMM_ISLAND_DIGEST=1`` (each member logs a hash of its weights
 after every step)."""
 

@@ -11,7 +11,7 @@ pair, the NAT-to-NAT one included, must exchange in all rounds but at most one, 
 may find no route: a partner can miss a round's ETA on busy cores and be skipped at its deadline (the daemon's
 rule against stragglers), and in about 1 of 4 runs a NATed peer's relay slot comes up late, after a push to it
 in the first rounds (measured: 48/48, 48/48, 48/48 and 45/48 with one unreachable; docs/results/nat.md). Every
-payload's path (pushed / pulled, over a direct / relayed connection: ``locomm/peer/paths.py``) is checked
+payload's path (pushed / pulled, over a direct / relayed connection: ``locomm/peer/transport/paths.py``) is checked
 against its pair: open-open direct, NAT-NAT relayed (or direct once hole-punched), and the NATed peers'
 connections all outbound. The lab's bridge subnet is 11.77.X (``--wan``): libp2p treats a relay it reaches on a
 private address as a LAN one and announces no relayed address through it. Runs benchmarks/links.py (the same

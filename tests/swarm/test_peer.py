@@ -217,8 +217,8 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
             from hivemind.dht import DHTNode
 
             from locomm.compression.payload import PayloadCodec
-            from locomm.peer.records import SwarmValidator
-            from locomm.peer.swarm import store_heartbeat
+            from locomm.peer.transport.records import SwarmValidator
+            from locomm.peer.transport.swarm import store_heartbeat
             from locomm.protocol.messages import push_header
 
             ident = str(tmp_path / "probe.id")  # records are signed: the probe holds its identity's key

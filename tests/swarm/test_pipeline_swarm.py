@@ -43,8 +43,8 @@ async def probe(boot: str, spec: RunSpec, ident: str) -> dict[str, list[int]]:
 
     from locomm.compression.boundary import BoundaryCoder
     from locomm.model.stages import Geometry
-    from locomm.peer.records import SwarmValidator
-    from locomm.peer.swarm import read_heartbeats, store_heartbeat
+    from locomm.peer.transport.records import SwarmValidator
+    from locomm.peer.transport.swarm import read_heartbeats, store_heartbeat
     from locomm.protocol.membership import NOT_ADMITTED
 
     run = spec.hash()[:16]

@@ -16,8 +16,8 @@ import pytest_asyncio
 import torch
 from hivemind.p2p import P2P
 
-from locomm.peer.rpc import RpcServer
-from locomm.peer.state import Snapshot, StateServer, Synced, expected_layout, fetch_state
+from locomm.peer.transport.rpc import RpcServer
+from locomm.peer.transport.state_sync import Snapshot, StateServer, Synced, expected_layout, fetch_state
 from locomm.protocol.timing import Limits
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="module")]

@@ -54,7 +54,7 @@ def _members(p: PeerProcess) -> list[str]:
 
 
 def _forger_cls():
-    from locomm.peer.records import SwarmValidator
+    from locomm.peer.transport.records import SwarmValidator
 
     class Forger(SwarmValidator):
         """Stores anything it is given (it is the forger's own node); signs with the forger's own key."""
@@ -71,7 +71,7 @@ async def _client(tmp: Path, name: str, boot: str, validator_cls=None, *, guard=
     from hivemind.dht import DHTNode
     from hivemind.p2p import P2P
 
-    from locomm.peer.records import load_identity
+    from locomm.peer.transport.records import load_identity
 
     ident = tmp / f"{name}.id"
     p2p = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(ident))
@@ -102,8 +102,8 @@ async def _open_swarm_spec(tmp: Path, cfg: Path) -> dict:
     from hivemind.utils import get_dht_time
 
     from locomm.peer.host import Host, NodeOptions
-    from locomm.peer.records import SwarmValidator, load_identity, spec_key
-    from locomm.peer.swarm import fetch_spec
+    from locomm.peer.transport.records import SwarmValidator, load_identity, spec_key
+    from locomm.peer.transport.swarm import fetch_spec
 
     spec = RunSpec.load(cfg)
     ident = tmp / "open-joiner.id"
@@ -151,8 +151,8 @@ def test_forged_records_and_outsiders_are_refused(tmp_path: Path, launcher: Laun
 
     from locomm.cli.status import snapshot
     from locomm.peer.host import Host, NodeOptions
-    from locomm.peer.records import SwarmKey, SwarmValidator, peers_key, spec_key
-    from locomm.peer.swarm import fetch_spec
+    from locomm.peer.transport.records import SwarmKey, SwarmValidator, peers_key, spec_key
+    from locomm.peer.transport.swarm import fetch_spec
     from locomm.protocol.messages import ErrorCode, pull_header, push_header
     from locomm.protocol.state_messages import state_manifest_header
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from locomm.compression.payload import MIN_PART_ELEMS, PayloadCodec
-from locomm.peer.gossip import Faults, Gossip
-from locomm.peer.rpc import Limits, RpcServer
-from locomm.peer.transfers import Incoming
+from locomm.peer.transport.gossip import Faults, Gossip
+from locomm.peer.transport.rpc import Limits, RpcServer
+from locomm.peer.transport.transfers import Incoming
 from locomm.protocol.messages import HEADER_LEN, PART_LEN, ErrorCode, pack_frame, push_header
 from locomm.testing.clock import run
 

@@ -1,4 +1,4 @@
-"""The island service's bodies (``peer/island_wire.py``) over an in-memory stream, and closed-island membership:
+"""The island service's bodies (``peer/island/wire.py``) over an in-memory stream, and closed-island membership:
 what a lying member sends is refused before anything is allocated, and a peer that names a closed island without
 its key is not a member."""
 
@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-from locomm.peer.island_wire import island_members, island_proof, read_synced, read_tensors, write_synced
-from locomm.peer.records import SwarmKey
-from locomm.peer.rpc import Call, Limits, Link, Meter
+from locomm.peer.island.wire import island_members, island_proof, read_synced, read_tensors, write_synced
+from locomm.peer.transport.records import SwarmKey
+from locomm.peer.transport.rpc import Call, Limits, Link, Meter
 from locomm.protocol.membership import Heartbeat
 from locomm.protocol.messages import PART_LEN, ProtocolViolation, check_response, decode_header
 from locomm.protocol.scape import ScapeSync, Synced

@@ -25,8 +25,8 @@ import torch
 
 from locomm import PROTOCOL_VERSION
 from locomm.compression.payload import MIN_PART_ELEMS, PayloadCodec
-from locomm.peer.gossip import Faults, Gossip
-from locomm.peer.rpc import Limits, Link, Meter, RpcServer, Service, TransferCut
+from locomm.peer.transport.gossip import Faults, Gossip
+from locomm.peer.transport.rpc import Limits, Link, Meter, RpcServer, Service, TransferCut
 from locomm.protocol.messages import (
     FAULT_CODES,
     HEADER_LEN,
@@ -756,7 +756,7 @@ MEMORY_SCRIPT = textwrap.dedent(r"""
     sys.path.insert(0, sys.argv[2])
     from test_rpc import FakeWriter, Harness, RUN, SENDER, answers, push_header
     from locomm.compression.payload import PayloadCodec
-    from locomm.peer.rpc import Limits
+    from locomm.peer.transport.rpc import Limits
     from locomm.protocol.messages import PART_LEN, pack_frame
 
     LIMITS = Limits(request_timeout_s=60.0, stall_timeout_s=60.0, min_rate_Bps=1e6, rate_window_s=600.0)
@@ -830,7 +830,7 @@ def test_chunked_decode_stays_inside_its_memory_bound():
 def test_state_fetch_is_served_from_the_previous_snapshot_too(pool):
     """A joiner whose download spans a round boundary finishes against the manifest it was given; a state
     two snapshots old is NOT_READY ("moved on"), which is not a fault."""
-    from locomm.peer.state import Snapshot, StateServer
+    from locomm.peer.transport.state_sync import Snapshot, StateServer
     from locomm.protocol.state_messages import state_fetch_header
 
     async def body():

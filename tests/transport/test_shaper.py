@@ -1,4 +1,4 @@
-"""The traffic cap (``locomm/peer/shaper.py``): the token bucket alone, and Links through it.
+"""The traffic cap (``locomm/peer/transport/shaper.py``): the token bucket alone, and Links through it.
 
 Everything runs on a virtual-time loop (``locomm.testing.clock``) with the loop's clock handed to the shaper
 and the links, so a 600 s window takes no real time and durations are asserted to the virtual instant. Links
@@ -14,8 +14,8 @@ import pytest
 
 from locomm.config import ConfigError
 from locomm.config.distributed import NetworkConfig
-from locomm.peer.rpc import Limits, Link, Meter, RpcServer, open_link
-from locomm.peer.shaper import SLICE, Shaper, shaper_of
+from locomm.peer.transport.rpc import Limits, Link, Meter, RpcServer, open_link
+from locomm.peer.transport.shaper import SLICE, Shaper, shaper_of
 from locomm.testing.clock import run
 
 pytestmark = pytest.mark.timeout(60)

@@ -32,7 +32,7 @@ from locomm.checkpoint import (
 from locomm.config import ConfigError, RunSpec
 from locomm.data import BatchSampler, load_corpus
 from locomm.peer.metrics import EventLog
-from locomm.peer.stage_checkpoint import (
+from locomm.peer.pipeline.checkpoint import (
     StageCheckpoints,
     capture_stage,
     restore_stage,

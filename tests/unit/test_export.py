@@ -18,7 +18,7 @@ from locomm.cli.model_commands import eval_command, export, generate
 from locomm.model import LlamaModel
 from locomm.model.hf import build_model_from, load_weights, sample
 from locomm.model.stages import ConstrainedModel
-from locomm.peer.stage_checkpoint import capture_stage
+from locomm.peer.pipeline.checkpoint import capture_stage
 from locomm.protocol import build_outer
 from locomm.train import Trainer
 from locomm.train.stage import StageWorker

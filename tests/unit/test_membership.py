@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from locomm.compression.payload import PayloadCodec
 from locomm.config import RunSpec
-from locomm.peer.gossip import Faults, Gossip
-from locomm.peer.rpc import Limits, RpcServer
-from locomm.peer.swarm import Heartbeat, members_for_round
+from locomm.peer.transport.gossip import Faults, Gossip
+from locomm.peer.transport.rpc import Limits, RpcServer
+from locomm.peer.transport.swarm import Heartbeat, members_for_round
 from locomm.protocol.schedule import group_of, noloco_groups
 
 PEERS = ["pa", "pb", "pc", "pd", "pe", "pf"]

@@ -7,7 +7,7 @@ import pytest
 
 from locomm import PROTOCOL_VERSION
 from locomm.peer.metrics import Metrics
-from locomm.peer.swarm import Heartbeat, members_for_round
+from locomm.peer.transport.swarm import Heartbeat, members_for_round
 from locomm.protocol.messages import (
     ErrorCode,
     ProtocolViolation,

@@ -17,7 +17,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer
 
 from locomm.config import ConfigError, DataConfig
-from locomm.peer.records import (
+from locomm.peer.transport.records import (
     MAX_ROUND_S,
     SPEC_TTL_S,
     SwarmKey,

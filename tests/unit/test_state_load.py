@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from locomm.config import OuterConfig
-from locomm.peer.state import StateMismatch, expected_layout, load_state, state_tensors
+from locomm.peer.transport.state_sync import StateMismatch, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
 
 

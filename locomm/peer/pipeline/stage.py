@@ -5,8 +5,8 @@ Lifecycle of ``Stage.run()``:
 2. the stage: ``--stage K``, or ``auto``: the stage with the fewest live replicas in the heartbeats,
    ties to the lowest (:func:`locomm.protocol.membership.pick_stage`); a joiner of a running stage
    downloads that stage's weights and outer state from its live replicas; with ``--checkpoint-dir`` a
-   replica resumes its own stage's checkpoint and downloads only a newer state (``peer/stage_checkpoint.py``);
-3. services: ``stage`` (:class:`locomm.peer.stage_service.StageService`: handlers ``fwd`` and
+   replica resumes its own stage's checkpoint and downloads only a newer state (``peer/pipeline/checkpoint.py``);
+3. services: ``stage`` (:class:`locomm.peer.pipeline.service.StageService`: handlers ``fwd`` and
    ``eval``, policy ``announced``), ``gossip`` for replica sync, ``state`` for joiners of this stage;
 4. stage 0 drives training: each optimizer step draws a batch from its own data shard, splits it
    into micro-batches and keeps ``pipeline.in_flight`` of them in the pipeline at once; later stages
@@ -35,13 +35,20 @@ from locomm.compression.boundary import BoundaryCoder
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
+from locomm.peer.dataparallel.partners import note_screening
 from locomm.peer.host import Host, NodeOptions
-from locomm.peer.lifecycle import device_and_plan, first_of, partner_gone, start_control
-from locomm.peer.partners import note_screening
-from locomm.peer.stage_checkpoint import StageCheckpoints
-from locomm.peer.stage_pause import pause_stage, run_over, stage_controls
-from locomm.peer.stage_service import Lost, StageService, eval_mid, stage_summary
-from locomm.peer.state import Snapshot, StateMismatch, StateServer, expected_layout, load_state, state_tensors
+from locomm.peer.pipeline.checkpoint import StageCheckpoints
+from locomm.peer.pipeline.pause import pause_stage, run_over, stage_controls
+from locomm.peer.pipeline.service import Lost, StageService, eval_mid, stage_summary
+from locomm.peer.presence import device_and_plan, first_of, partner_gone, start_control
+from locomm.peer.transport.state_sync import (
+    Snapshot,
+    StateMismatch,
+    StateServer,
+    expected_layout,
+    load_state,
+    state_tensors,
+)
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
 from locomm.protocol.defence import Defence
@@ -51,7 +58,7 @@ from locomm.train.stage import StageWorker
 
 log = logging.getLogger(__name__)
 STATE_DONORS = 5
-"""Replicas a joiner of a stage asks for a manifest (``peer/state.py`` takes their majority state or their median)."""
+"""Replicas a joiner of a stage asks for a manifest (``transport/state_sync.py``: their majority or median)."""
 
 
 class Stage:

@@ -1,6 +1,6 @@
 """``locomm-peer doctor``: the checks of this machine (disk, device, torch build) and the report.
 
-The swarm checks are in :mod:`locomm.peer.preflight`. Every check gives one :class:`Check`: a status
+The swarm checks are in :mod:`locomm.doctor.swarm`. Every check gives one :class:`Check`: a status
 (OK / WARN / FAIL / SKIP), the number it measured, one line of detail and, when not OK, the fix. The
 sizes are estimates from the run spec's model: fp32 weights, AdamW's two moments and the outer
 algorithm's state (its outer point and momentum) make ``CKPT_BYTES_PER_PARAM``; training adds the

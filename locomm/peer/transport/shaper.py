@@ -1,8 +1,8 @@
 """A volunteer's traffic cap: one token bucket per direction, shared by every stream of the peer.
 
 ``locomm-peer join --max-upload-mbit X --max-download-mbit Y`` makes one :class:`Shaper`; the host hands it
-to its :class:`~locomm.peer.rpc.RpcServer`, which attaches it to its P2P instance, so every
-:class:`~locomm.peer.rpc.Link` on that P2P (served streams, and the client links ``open_link`` / ``request``
+to its :class:`~locomm.peer.transport.rpc.RpcServer`, which attaches it to its P2P instance, so every
+:class:`~locomm.peer.transport.rpc.Link` on that P2P (served streams, and the client links ``open_link`` / ``request``
 open: gossip pushes and pulls, state sync serving and fetching, stage frames, replica syncs) takes its bytes
 from the same two buckets. Four parallel pushes under a 20 Mbit/s cap share 20 Mbit/s.
 
@@ -33,7 +33,7 @@ import weakref
 from typing import Any
 
 from locomm.config.base import ConfigError
-from locomm.peer.meter import Clock
+from locomm.peer.transport.meter import Clock
 
 SLICE = 1 << 16
 """The most bytes a Link moves per token-taking under a cap: keeps the bucket's output smooth."""

@@ -49,7 +49,7 @@ from typing import Any, Literal
 import torch
 from hivemind.p2p import P2P
 
-from locomm.peer.rpc import Call, Limits, Link, Service, request
+from locomm.peer.transport.rpc import Call, Limits, Link, Service, request
 from locomm.protocol.messages import ErrorCode, ProtocolViolation
 from locomm.protocol.state_messages import (
     MAX_NAMES_PER_REQUEST,

@@ -1,7 +1,7 @@
-"""The representative's side of an island's service (``peer/island.py``): a follower's step, its outer-round
+"""The representative's side of an island's service (``peer/island/member.py``): a follower's step, its outer-round
 fetch and its state download, each answered at a point where the representative's state is consistent.
 
-A mixin of :class:`~locomm.peer.island.Island`: the handlers read its roster, sync state and queues.
+A mixin of :class:`~locomm.peer.island.member.Island`: the handlers read its roster, sync state and queues.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from locomm.compression.base import CodecError
-from locomm.peer.island_wire import LEAVING, NEVER_PLANNED, state_of, write_synced, write_tensors
-from locomm.peer.rpc import Call
+from locomm.peer.island.wire import LEAVING, NEVER_PLANNED, state_of, write_synced, write_tensors
+from locomm.peer.transport.rpc import Call
 from locomm.protocol.messages import ErrorCode, ProtocolViolation
 from locomm.protocol.scape import ScapeMessage, decode_indices, encode_indices
 

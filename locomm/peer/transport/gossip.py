@@ -43,9 +43,9 @@ from typing import Any
 from hivemind.p2p import P2P
 
 from locomm.compression.payload import Part, PayloadCodec, PayloadError
-from locomm.peer.rpc import Call, Clock, Limits, Link, RpcServer, Service, TransferCut, Unreachable, open_link
-from locomm.peer.transfers import EarlyReset as _EarlyReset
-from locomm.peer.transfers import Faults, GossipStats, Incoming, Outgoing, balance_lanes, tally_lanes
+from locomm.peer.transport.rpc import Call, Clock, Limits, Link, RpcServer, Service, TransferCut, Unreachable, open_link
+from locomm.peer.transport.transfers import EarlyReset as _EarlyReset
+from locomm.peer.transport.transfers import Faults, GossipStats, Incoming, Outgoing, balance_lanes, tally_lanes
 from locomm.protocol.messages import (
     FAULT_CODES,
     ErrorCode,
@@ -208,7 +208,7 @@ class Gossip:
             payload = await self.server.decode(self.codec.finish, inc.dest)
         except PayloadError as e:
             raise ProtocolViolation(_PAYLOAD_CODES[e.kind], str(e)) from None
-        await self.stats.paths.arrived(round_idx, remote, pulled, self.p2p)  # how it came (peer/paths.py)
+        await self.stats.paths.arrived(round_idx, remote, pulled, self.p2p)  # how it came (peer/transport/paths.py)
         async with self.arrived:
             self.mailbox[round_idx][remote] = payload
             self.arrived.notify_all()

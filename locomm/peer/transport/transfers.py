@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from locomm.compression.payload import Part, PayloadCodec
-from locomm.peer.paths import PathLog
-from locomm.peer.rpc import RpcServer, TransferCut, Unreachable
+from locomm.peer.transport.paths import PathLog
+from locomm.peer.transport.rpc import RpcServer, TransferCut, Unreachable
 from locomm.protocol.messages import ErrorCode
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from locomm.peer.control import Handler
-from locomm.peer.lifecycle import first_of, pause_controls, publish_quietly
+from locomm.peer.presence import first_of, pause_controls, publish_quietly
 
 if TYPE_CHECKING:
-    from locomm.peer.stage import Stage
+    from locomm.peer.pipeline.stage import Stage
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ Two p2pd daemons, both with throwaway identities (never the user's):
 
 - the *observer* (``/ip4/127.0.0.1/tcp/0``, a client-mode DHT node) reads the run spec and heartbeats as
   ``locomm-peer status`` does (the spec the --initial-peers signed; records checked by
-  :class:`~locomm.peer.records.SwarmValidator`), pings peers for their DHT time, and downloads part of the
-  initial peer's state over the state-sync RPC (``peer/state.py``). That service answers announced peers
+  :class:`~locomm.peer.transport.records.SwarmValidator`), pings peers for their DHT time, and downloads part of the
+  initial peer's state over the state-sync RPC (``peer/transport/state_sync.py``). That service answers announced peers
   only, so the observer publishes a not-admitted heartbeat (``join_round = NOT_ADMITTED``: it is nobody's
   member, exactly as a joiner before its sync) tagged ``doctor``, which expires after ``heartbeat_ttl_s``;
 - the *probe* listens where the peer would (--host-maddrs, --announce-maddrs), joins the DHT as a server
@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from locomm.peer.doctor import Check
+from locomm.doctor.machine import Check
 
 PING_SAMPLES = 5
 CLOCK_PEERS = 5
@@ -171,7 +171,7 @@ async def clock_check(p2p: Any, dht: Any, beats: list[Any]) -> tuple[Check, dict
 
 async def throughput_check(p2p: Any, me: str, peer: str, run_id: str, limits: Any, rtt: float | None) -> Check:
     """Download (part of) ``peer``'s state over the state-sync RPC: bytes/s, request overhead included."""
-    from locomm.peer.rpc import Link, request  # noqa: PLC0415
+    from locomm.peer.transport.rpc import Link, request  # noqa: PLC0415
     from locomm.protocol.messages import ErrorCode, ProtocolViolation  # noqa: PLC0415
     from locomm.protocol.state_messages import state_fetch_header, state_manifest_header  # noqa: PLC0415
 
@@ -287,8 +287,8 @@ async def swarm_checks(
 
     from locomm import __version__  # noqa: PLC0415
     from locomm.config import RunSpec  # noqa: PLC0415
-    from locomm.peer.records import SwarmKey, SwarmValidator, load_identity, peers_key  # noqa: PLC0415
-    from locomm.peer.swarm import fetch_spec, peer_ids_of, read_heartbeats, store_heartbeat  # noqa: PLC0415
+    from locomm.peer.transport.records import SwarmKey, SwarmValidator, load_identity, peers_key  # noqa: PLC0415
+    from locomm.peer.transport.swarm import fetch_spec, peer_ids_of, read_heartbeats, store_heartbeat  # noqa: PLC0415
     from locomm.protocol.membership import NOT_ADMITTED, Heartbeat  # noqa: PLC0415
     from locomm.protocol.timing import Limits  # noqa: PLC0415
 

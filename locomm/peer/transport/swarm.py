@@ -1,5 +1,5 @@
 """The swarm's DHT records: the run spec and one heartbeat per peer (the I/O; the rules are in
-``protocol/membership.py``, the signatures and checks in ``peer/records.py``).
+``protocol/membership.py``, the signatures and checks in ``peer/transport/records.py``).
 
 DHT records (small ones only; tensors never go through the DHT), each signed by its writer:
 
@@ -25,7 +25,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 
 from locomm import PROTOCOL_VERSION
-from locomm.peer.records import SPEC_TTL_S, peers_key, spec_key
+from locomm.peer.transport.records import SPEC_TTL_S, peers_key, spec_key
 from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat, members_for_round, pick_stage
 
 __all__ = [

@@ -52,8 +52,8 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
-from locomm.peer.meter import Clock, FloorWindow, Meter, TransferCut, Unreachable
-from locomm.peer.shaper import SLICE, Bucket, Shaper, attach, shaper_of
+from locomm.peer.transport.meter import Clock, FloorWindow, Meter, TransferCut, Unreachable
+from locomm.peer.transport.shaper import SLICE, Bucket, Shaper, attach, shaper_of
 from locomm.protocol.messages import (
     FAULT_CODES,
     HEADER_LEN,

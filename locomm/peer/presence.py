@@ -2,7 +2,7 @@
 
 Entering (:func:`enter_swarm`): pick the round to join at, a little ahead of the swarm's (two thirds of the
 admitted peers reached it: one peer claiming round 10^9 cannot send us there), and download the state from
-up to ``DONORS`` live peers near that round unless we resumed our own checkpoint (``peer/state.py``: what
+up to ``DONORS`` live peers near that round unless we resumed our own checkpoint (``peer/transport/state_sync.py``: what
 most of them agree on wins).
 
 Leaving (:func:`leave_swarm`), at the last round, on Ctrl-C/SIGTERM/SIGHUP: the pending exchange has been
@@ -31,13 +31,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from locomm.peer.control import ControlError, ControlServer, Handler, control_path
-from locomm.peer.state import StateMismatch, expected_layout, state_tensors
+from locomm.peer.transport.state_sync import StateMismatch, expected_layout, state_tensors
 from locomm.protocol.membership import swarm_round
 
 if TYPE_CHECKING:
+    from locomm.peer.dataparallel.node import Node
     from locomm.peer.host import Host
-    from locomm.peer.node import Node
-    from locomm.peer.stage import Stage
+    from locomm.peer.pipeline.stage import Stage
 
 __all__ = [
     "DONORS",
@@ -59,7 +59,7 @@ JOIN_MARGIN_ROUNDS = 2
 STATE_ATTEMPTS = 5
 """Whole state downloads a joiner tries (2, 4, 8, 8 s apart) before it starts from the initial weights."""
 DONORS = 5
-"""Peers a joiner asks for their state (the state most of them agree on wins; see peer/state.py)."""
+"""Peers a joiner asks for their state (the state most of them agree on wins; see peer/transport/state_sync.py)."""
 PAUSE_ANSWER_S = 20.0
 """How long ``pause`` waits for the peer to reach a step boundary before it answers with the phase."""
 STOP_HANDOVER_S = 10.0

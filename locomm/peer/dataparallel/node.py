@@ -31,8 +31,10 @@ from locomm import __version__
 from locomm.checkpoint import save_tensors_atomic
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
+from locomm.peer.dataparallel.partners import Partners, note_screening
 from locomm.peer.host import Host
-from locomm.peer.lifecycle import (
+from locomm.peer.options import NodeOptions, SpecMismatch
+from locomm.peer.presence import (
     control_handlers,
     device_and_plan,
     enter_swarm,
@@ -42,9 +44,7 @@ from locomm.peer.lifecycle import (
     pause_here,
     start_control,
 )
-from locomm.peer.options import NodeOptions, SpecMismatch
-from locomm.peer.partners import Partners, note_screening
-from locomm.peer.state import Snapshot, StateServer, load_state, state_tensors
+from locomm.peer.transport.state_sync import Snapshot, StateServer, load_state, state_tensors
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
 from locomm.protocol.membership import NOT_ADMITTED, Heartbeat, islands_led, members_for_round
@@ -241,8 +241,8 @@ class Node:
         self.state_server = StateServer(host.run_id)
         warm = asyncio.get_running_loop().run_in_executor(host.codec_pool, self.codec.warm_up)
         await host.serve(self.gossip.service(), self.state_server.service())
-        if self.opts.island is not None:  # an island member: SCAPE every step (peer/island.py)
-            from locomm.peer.island import Island  # noqa: PLC0415
+        if self.opts.island is not None:  # an island member: SCAPE every step (peer/island/member.py)
+            from locomm.peer.island.member import Island  # noqa: PLC0415
 
             self.island = Island(self, self.opts.island, self.opts.island_size, self.opts.island_key)
             await host.serve(self.island.service())
@@ -299,7 +299,7 @@ class Node:
         return self.val_loss
 
     async def _start_averager(self) -> None:
-        from locomm.peer.averaging import start_averager  # noqa: PLC0415 - only the DiLoCo baseline
+        from locomm.peer.dataparallel.averaging import start_averager  # noqa: PLC0415 - only the DiLoCo baseline
 
         group = self.opts.wait_for_peers if self.opts.wait_for_peers > 1 else None
         self.averager = await start_averager(self.host, self.codec, group_size=group)
@@ -310,7 +310,7 @@ class Node:
         """The pending round's outer update, one round late, keeping local progress (protocol/rounds.py)."""
         r = self.rounds.settle(self.params(), received)
         self._snapshot(r if r is not None else self.round)
-        if self.island is not None and r is not None:  # the island's followers fetch it (peer/island.py)
+        if self.island is not None and r is not None:  # the island's followers fetch it (peer/island/member.py)
             self.island.settle_done(r, True)
         note_screening(self.host, r, self.rounds.outcome)
 
@@ -369,7 +369,7 @@ class Node:
             # finished (protocol/rounds.py), so the numerics do not depend on the network's speed.
             island = self.island
             self.step_in_round = 0
-            while self.step_in_round < H:  # an island's resync may move the step (peer/island.py)
+            while self.step_in_round < H:  # an island's resync may move the step (peer/island/member.py)
                 i = self.step_in_round
                 if pending is not None and self.rounds.due(i):
                     await self._finish(pending)

@@ -7,7 +7,7 @@ own caller with its input's gradient. A failed hop (dead replica, timeout, refus
 replica, ``pipeline.reroute_attempts`` times; a micro-batch that still fails is :class:`Lost` (stage 0
 counts it and goes on with the rest of the step).
 
-The driver (:class:`locomm.peer.stage.Stage`) owns the lifecycle and the replica sync; it hands this
+The driver (:class:`locomm.peer.pipeline.stage.Stage`) owns the lifecycle and the replica sync; it hands this
 service the host, the stage worker and the boundary coder, and is called back after every backward
 (``on_backward``), where optimizer steps and replica-sync rounds fall due.
 """
@@ -28,7 +28,7 @@ from locomm.compression.base import CodecError
 from locomm.compression.boundary import BoundaryCoder, NonFinite
 from locomm.config.defence import DefenceConfig
 from locomm.peer.host import Host
-from locomm.peer.rpc import Call, Service, TransferCut, Unreachable, open_link
+from locomm.peer.transport.rpc import Call, Service, TransferCut, Unreachable, open_link
 from locomm.protocol.defence import RunningMedian
 from locomm.protocol.membership import live
 from locomm.protocol.messages import (

@@ -16,7 +16,7 @@ Every inner step (the ``island`` service, on the host's exchange layer):
                    each with the one synchronized buffer (values, the next mask); everyone applies the same
                    buffer and steps AdamS on it, so the members stay bit-identical
 
-Outer rounds: the representative plans, exchanges and settles as any peer (``peer/node.py``); a follower
+Outer rounds: the representative plans, exchanges and settles as any peer (``peer/dataparallel/node.py``); a follower
 snapshots its weights where the representative planned, and at the step the round lands it fetches the settled
 outer state (``island.outer``: phi and the outer algorithm's buffers) and applies
 ``theta <- theta + (phi - theta_sent)``, the arithmetic of ``protocol/rounds.apply_late``.
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from locomm.config import ConfigError
-from locomm.peer.island_serve import IslandServing
-from locomm.peer.island_wire import (
+from locomm.peer.island.leader import IslandServing
+from locomm.peer.island.wire import (
     NEVER_PLANNED,
     LeaderBusy,
     LeaderLost,
@@ -56,9 +56,9 @@ from locomm.peer.island_wire import (
     read_tensors,
     state_header,
 )
-from locomm.peer.meter import TransferCut, Unreachable
-from locomm.peer.records import SwarmKey
-from locomm.peer.rpc import Call, Service, open_link
+from locomm.peer.transport.meter import TransferCut, Unreachable
+from locomm.peer.transport.records import SwarmKey
+from locomm.peer.transport.rpc import Call, Service, open_link
 from locomm.protocol.membership import live
 from locomm.protocol.messages import ErrorCode, ProtocolViolation, envelope
 from locomm.protocol.rounds import snapshot
@@ -66,7 +66,7 @@ from locomm.protocol.scape import ScapeMessage, ScapeSync, Synced, encode_indice
 from locomm.protocol.timing import ema
 
 if TYPE_CHECKING:
-    from locomm.peer.node import Node
+    from locomm.peer.dataparallel.node import Node
 
 log = logging.getLogger(__name__)
 SERVICE = "island"

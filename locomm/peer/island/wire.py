@@ -1,4 +1,4 @@
-"""The island service's bodies (``peer/island.py``): the synchronized buffer, and named fp32 tensors.
+"""The island service's bodies (``peer/island/member.py``): the synchronized buffer, and named fp32 tensors.
 
 Every size is checked against what this member expects before anything is allocated: the values of a step
 against its own mask (the members' masks are identical), a tensor against its own model's layout; a body that
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from locomm.compression.base import CodecError
-from locomm.peer.records import SwarmKey
-from locomm.peer.rpc import Call, Link
+from locomm.peer.transport.records import SwarmKey
+from locomm.peer.transport.rpc import Call, Link
 from locomm.protocol.messages import ErrorCode, ProtocolViolation, response_header
 from locomm.protocol.scape import ScapeSync, Synced, decode_indices, encode_indices
 
 if TYPE_CHECKING:
-    from locomm.peer.island import Island
-    from locomm.peer.node import Node
+    from locomm.peer.dataparallel.node import Node
+    from locomm.peer.island.member import Island
 
 LEAVING = "the representative is leaving"
 NEVER_PLANNED = "never planned here"

@@ -11,7 +11,8 @@ from locomm.cli.display import make_reporter
 from locomm.config import ConfigError, RunSpec
 from locomm.data import CorpusError
 from locomm.peer import lifeline
-from locomm.peer.dataparallel.node import Node, NodeOptions
+from locomm.peer.dataparallel.node import Node
+from locomm.peer.options import NodeOptions
 
 
 def setup_logging(verbose: int) -> None:
@@ -47,7 +48,12 @@ def run_node(
 
                 node = Stage(spec, NodeOptions(reporter=reporter, **options), stage=stage)
             else:
-                node = Node(spec, NodeOptions(reporter=reporter, **options))
+                opts = NodeOptions(reporter=reporter, **options)
+                island = None
+                if opts.island is not None:  # an island member (locomm/peer/island/member.py)
+                    from locomm.peer.island.member import Island as island  # noqa: PLC0415, N813
+
+                node = Node(spec, opts, island=island)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)

@@ -15,19 +15,42 @@ from __future__ import annotations
 import struct
 import warnings
 import zlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from locomm.compression import _huffman as hf
 from locomm.compression.base import CodecError
-from locomm.compression.lossless_format import FLOAT_LAYOUTS, MODE_CONST, MODE_STORED, Parsed, full_codes, parse_chunk
+from locomm.compression.lossless_format import (
+    FLOAT_LAYOUTS,
+    MODE_CONST,
+    MODE_STORED,
+    FloatLayout,
+    Parsed,
+    full_codes,
+    parse_chunk,
+)
 from locomm.kernels import StreamError
 from locomm.kernels import lossless as kl
 from locomm.kernels.crc32 import crc32
 
-if TYPE_CHECKING:
-    from locomm.compression.lossless import LosslessCodec
+
+class LosslessCodec(Protocol):
+    """What the device path asks of ``compression.lossless.LosslessCodec``: its chunking and its choices (one rule
+    for the CPU and device coders, so both write the same bytes)."""
+
+    chunk_elems: int
+
+    def header(self, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bytes: ...
+
+    def n_lanes(self, n: int) -> int: ...
+
+    def lanes_bits(self, n: int) -> int: ...
+
+    def pick(
+        self, layout: FloatLayout, sym_hist: np.ndarray, n: int, lanes_bits: int
+    ) -> tuple[int, hf.Table | None, bytes]: ...
 
 
 def _dev_i64(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:

@@ -4,9 +4,10 @@ metrics, the event log and shutdown.
 A driver (the data-parallel ``dataparallel.node.Node``, the pipeline ``pipeline.stage.Stage``)
 composes a host; it does not inherit one::
 
-    async with Host(spec, opts, authorize_policy) as host:   # everything is up here
-        host.serve(service, ...)                              # add the driver's services
-        host.spawn(coro)                                      # tasks the host awaits on exit
+    async with Host(spec, opts) as host:      # everything is up here; host.spec is the swarm's
+        await host.serve(service, ...)        # add the driver's services
+        host.heartbeat = driver.heartbeat     # what the heartbeat loop publishes from now on
+        host.spawn(coro)                      # tasks the host awaits on exit
         ...
 
 ``__aenter__`` creates everything (so no attribute appears later, and no driver needs ``hasattr``);
@@ -50,6 +51,7 @@ from locomm.peer.transport.rpc import RpcServer, Service
 from locomm.peer.transport.shaper import Shaper
 from locomm.peer.transport.state_sync import Synced, fetch_state
 from locomm.peer.transport.swarm import peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
+from locomm.protocol.defence import Screened
 from locomm.protocol.membership import Heartbeat
 from locomm.protocol.timing import Limits
 
@@ -117,7 +119,7 @@ class Host:
             await self._connect(initial, known)
             if self._id_dir is not None:  # a throwaway key, now in p2pd and the validator: no file outlives a kill
                 shutil.rmtree(self._id_dir, ignore_errors=True)
-            self.spec = await settle_spec(self)
+            self.spec = await settle_spec(self.dht, self.opts, self.spec, self.swarm_key is not None, self.events.write)
             await self.publish_spec()
             net = self.spec.network
             self.run_id = self.spec.hash()[:16]
@@ -278,9 +280,7 @@ class Host:
             parallel_threshold=int(cfg.parallel_threshold_mb * 2**20),
             max_wait_s=cfg.max_wait_s,
         )
-        g.stats.paths.sink = (
-            self.events.write
-        )  # an "exchange" event per payload (transport/paths.py)
+        g.stats.paths.sink = self.events.write  # an "exchange" event per payload (transport/paths.py)
         return g
 
     async def fetch_state(self, donors: list[str], expected: Mapping[str, tuple[int, ...]]) -> Synced | None:
@@ -311,6 +311,36 @@ class Host:
         """Keys this peer's data generator: the shard index where one was given, else 64 bits of its peer id
         (under data.sharding = iid every peer samples the whole split, and no two draw the same windows)."""
         return self.opts.shard[0] if self.opts.shard else int(self.me.encode().hex()[-16:], 16)
+
+    def note_screening(self, round_idx: int | None, outcome: Screened) -> None:
+        """A rejected outer update is a fault against its sender (the round went on without it). Every applied
+        round's screening goes to the event log: whose updates were screened, rejected, clipped, and DiLoCo's
+        fallback."""
+        for sender, why in outcome.rejected:
+            self.faults.record(str(sender), f"round {round_idx}: update rejected: {why}")
+        if round_idx is not None:
+            self.events.write(
+                "screened",
+                round=round_idx,
+                senders=[str(p) for p in outcome.senders],
+                rejected=[str(p) for p, _ in outcome.rejected],
+                clipped={str(p): scale for p, scale in outcome.clipped},
+                fallback=outcome.fallback,
+            )
+
+    def device_and_plan(self) -> tuple[Any, Any]:
+        """The device and the memory plan of ``--max-memory`` (``train/plan.py``), logged as a ``plan`` event.
+        Call it in the compute thread before the model is on the device (the device's free memory is the
+        default budget)."""
+        from locomm.train import peer_plan, resolve_device  # noqa: PLC0415 - imports torch
+
+        device = resolve_device(self.opts.device)
+        plan = peer_plan(self.spec, device=device, max_memory_gb=self.opts.max_memory_gb)
+        if plan is None:
+            return device, None
+        self.events.write("plan", **plan.as_json())
+        log.info("memory plan:\n%s", plan.describe())
+        return device, plan
 
     def up(self, **fields: Any) -> None:
         """The driver is ready: heartbeats start, our addresses go where `locomm-peer swarm` (or a test) waits

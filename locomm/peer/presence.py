@@ -1,24 +1,29 @@
-"""How a data-parallel node enters a running swarm, how it leaves one, and how its volunteer pauses it.
+"""One peer's place in the swarm, for every driver: entering it (a state download), pausing and resuming,
+leaving it. A driver (the data-parallel node, a pipeline stage replica) owns one :class:`Presence` and implements
+the small :class:`Driver` protocol; nothing here knows which driver it drives.
 
-Entering (:func:`enter_swarm`): pick the round to join at, a little ahead of the swarm's (two thirds of the
-admitted peers reached it: one peer claiming round 10^9 cannot send us there), and download the state from
-up to ``DONORS`` live peers near that round unless we resumed our own checkpoint (``peer/transport/state_sync.py``: what
-most of them agree on wins).
+Entering: where a driver joins (a round a little ahead of the swarm's, or its siblings' clock) is the driver's
+own rule; *whom* it asks for state is one rule (``protocol/membership.state_donors``: live admitted peers near
+the robust top, so one peer claiming round 10^9 is neither where we go nor whom we ask), tried up to
+``STATE_ATTEMPTS`` times, each with a fresh heartbeat read (:meth:`Presence.download`). What most donors agree
+on wins (``transport/state_sync.py``).
 
-Leaving (:func:`leave_swarm`), at the last round, on Ctrl-C/SIGTERM/SIGHUP: the pending exchange has been
-finished (``Node._finish``); then, for a bounded time, we keep serving our last payload until every partner of
-that round has it (a push answered OK, or a pull) or has left itself (or, past a round, is not on its way
-to that round any more); then we publish a final heartbeat
-marked ``finished``. Partners that read it skip us without waiting for a deadline (``Gossip.gone``), and
-nobody counts us as a member from our last round on (``membership.members_for_round``). A second signal
-(``Host.hurry``) stops the hand-over at once.
+Pausing (:meth:`Presence.pause`, asked for through the control socket, ``locomm-peer pause`` / ``resume``):
+1. the driver drains: the pending exchange is finished (a later pipeline stage first refuses new frames with
+   NOT_READY and answers those it holds);
+2. the driver's refusal is checked again (the last unpaused replica of a later stage may not pause); a refusal,
+   or a resume that came meanwhile, calls the pause off before anything is published;
+3. a snapshot of the weights it stops at, and a heartbeat marked ``paused``: nobody waits for us from this round
+   on (``membership.members_for_round`` treats it as a goodbye), no route leads to us; state is still served;
+4. wait for resume or stop (or the driver's run being over);
+5. re-enter as a joiner does (the driver's ``resync``), still marked paused, retried while the DHT fails us;
+6. a fresh snapshot, the paused mark down, a heartbeat, a ``resumed`` event.
 
-Pausing (:func:`pause_here`, asked for through the control socket): at the next step boundary the pending
-exchange is finished and a heartbeat marked ``paused`` says nobody should wait for us from this round on (the
-members rule treats it as a goodbye); the node keeps serving its state and last payload. Resuming enters the
-swarm again as a joiner: partners never block on a paused peer, and the resumed one never trains on stale
-weights when the swarm moved on. A pipeline stage replica pauses by the same rules (``stage_pause.py``), and
-besides leaves every route: its siblings take its micro-batches.
+Leaving (:meth:`Presence.leave`), at the last round, on Ctrl-C/SIGTERM/SIGHUP: the pending exchange has been
+finished; then, for a bounded time, the last payload is served until every partner of that round has it (a push
+answered OK, or a pull) or has left itself (or, past a round, is not on its way to that round any more); then a
+final heartbeat marked ``finished``. Partners that read it skip us without a deadline (``Gossip.gone``, wired to
+:meth:`Presence.partner_gone`). A second signal (``Host.hurry``) stops the hand-over at once.
 """
 
 from __future__ import annotations
@@ -26,173 +31,327 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
+from locomm import __version__
 from locomm.peer.control import ControlError, ControlServer, Handler, control_path
-from locomm.peer.transport.state_sync import StateMismatch, expected_layout, state_tensors
-from locomm.protocol.membership import swarm_round
-
-if TYPE_CHECKING:
-    from locomm.peer.dataparallel.node import Node
-    from locomm.peer.host import Host
-    from locomm.peer.pipeline.stage import Stage
+from locomm.peer.host import Host
+from locomm.peer.transport.gossip import Gossip
+from locomm.peer.transport.state_sync import StateMismatch, Synced
+from locomm.protocol.membership import STATE_RETRY_S, Heartbeat
 
 __all__ = [
-    "DONORS",
-    "device_and_plan",
     "JOIN_MARGIN_ROUNDS",
     "STATE_ATTEMPTS",
-    "enter_swarm",
+    "Driver",
+    "Presence",
+    "finite",
     "first_of",
-    "leave_swarm",
-    "partner_gone",
-    "pause_here",
-    "pause_controls",
     "publish_quietly",
-    "start_control",
 ]
 
 log = logging.getLogger(__name__)
 JOIN_MARGIN_ROUNDS = 2
-STATE_ATTEMPTS = 5
-"""Whole state downloads a joiner tries (2, 4, 8, 8 s apart) before it starts from the initial weights."""
-DONORS = 5
-"""Peers a joiner asks for their state (the state most of them agree on wins; see peer/transport/state_sync.py)."""
+"""A joiner's first round is this far ahead of the swarm's, so every peer counts it from the same round on."""
+STATE_ATTEMPTS = len(STATE_RETRY_S) + 1
 PAUSE_ANSWER_S = 20.0
 """How long ``pause`` waits for the peer to reach a step boundary before it answers with the phase."""
 STOP_HANDOVER_S = 10.0
 """After Ctrl-C, how long a leaving peer serves its last payload to partners that have not had it yet."""
+RESYNC_RETRY_S = 5.0
+"""Back from a pause, how long to wait before entering the swarm again when the DHT failed us (still paused)."""
 
 
-async def enter_swarm(node: Node, resumed: bool | None) -> None:
-    """Pick the round to join at; download state from live peers unless we resumed our own. ``resumed=None``
-    (back from a pause): our own state is current unless the swarm moved past our round."""
-    host = node.host
-    beats = [b for b in await host.read_beats() if b.peer != host.me]
-    top = swarm_round(beats)
-    if resumed is None:
-        resumed = top <= node.round
-    if all(not b.started for b in beats) and (top == 0 or (resumed and top == node.round)):
-        # Nobody has trained yet (a new swarm, or a stopped one restarting from checkpoints of one round): start
-        # together.
-        node.join_round = node.round
-        return
-    # Join a little ahead of the swarm, so every peer counts us from the same round on: peers
-    # that computed a round's membership before our heartbeat reached them never expect us in it.
-    node.join_round = max(top + JOIN_MARGIN_ROUNDS, node.round)
-    await host.publish()
-    if not resumed and top > 0:
-        donors = _donors(beats, top)
-        expected = expected_layout(state_tensors(node.algo.phi, node.algo))  # what Node._snapshot serves
-        node.phase = "syncing"
+class Driver(Protocol):
+    """What a :class:`Presence` drives: the hooks a data-parallel node and a pipeline stage replica implement."""
+
+    round: int
+    phase: str
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The driver's own fields of its ``pause`` answer and its paused/resumed events (its stage, say)."""
+        ...
+
+    async def may_pause(self) -> str | None:
+        """Why it may not pause now (None: it may); asked before a pause and again just before it is published."""
+        ...
+
+    async def drain(self) -> None:
+        """Reach a state that can be paused: the pending exchange finished, frames in hand answered."""
+        ...
+
+    def undrain(self) -> None:
+        """The pause was called off, or is over: take work again."""
+        ...
+
+    def snapshot(self, round_idx: int) -> None:
+        """Serve the state we hold now to joiners (in the compute thread)."""
+        ...
+
+    async def resync(self) -> None:
+        """Back from a pause: enter the swarm again as a joiner does (raises on a DHT failure: retried)."""
+        ...
+
+    async def run_over(self) -> bool:
+        """While paused: whether the run ended without us (then the pause ends the driver)."""
+        ...
+
+
+class Presence:
+    """One driver's presence in the swarm (see the module docstring). The driver's heartbeat reads ``paused``
+    and ``left`` from here."""
+
+    def __init__(self, host: Host, driver: Driver) -> None:
+        self.host, self.driver = host, driver
+        self.started = self.paused = self.left = False
+        self.pause_wanted, self.resume_wanted, self.paused_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.refusal: str | None = None
+        """Why the last pause was called off after it was asked for (None: it was not)."""
+
+    # -- heartbeats, summaries -------------------------------------------------------------
+
+    def beat(self, **fields: Any) -> Heartbeat:
+        """A heartbeat with the fields every driver shares (who, addresses, version, started/paused/left, faults;
+        a loss that is not finite as None) and the driver's own ``fields``."""
+        h = self.host
+        for k in ("loss", "val_loss"):
+            if k in fields:
+                fields[k] = finite(fields[k])
+        return Heartbeat(
+            peer=h.me,
+            started=self.started,
+            finished=self.left,
+            paused=self.paused,
+            version=__version__,
+            maddrs=tuple(str(m) for m in h.maddrs),
+            faults=h.faults.total,
+            **fields,
+        )
+
+    def summary(
+        self, gossip: Gossip, *, rounds: int, steps: int, initial: float, final: float, t0: float, **own: Any
+    ) -> dict[str, Any]:
+        """What a peer reports at exit (its ``finished`` event and ``--json`` line): the keys every driver shares,
+        then the driver's own."""
+        h, g = self.host, gossip.stats
+        return {
+            "peer": h.me,
+            "rounds_completed": rounds,
+            "steps": steps,
+            "initial_loss": initial,
+            "final_loss": final,
+            "exchanges_ok": g.exchanges_ok,
+            "exchanges_failed": g.exchanges_failed,
+            "transfers_cut": h.rpc.stats.cut,
+            "faults": h.faults.total,
+            "banned": len(h.faults.banned),
+            "banned_peers": sorted(h.faults.banned),
+            "errors_answered": dict(h.rpc.stats.errors_answered),
+            "wall_s": time.perf_counter() - t0,
+            "interrupted": h.stop.is_set(),
+            **own,
+        }
+
+    # -- entering --------------------------------------------------------------------------
+
+    async def download(
+        self,
+        donors_of: Callable[[list[Heartbeat]], list[str]],
+        expected: Mapping[str, tuple[int, ...]],
+        load: Callable[[dict[str, Any]], None],
+        **event: Any,
+    ) -> Synced | None:
+        """The swarm's state, from the peers ``donors_of`` picks in a fresh heartbeat read (ours excluded), loaded
+        with ``load`` in the compute thread; up to STATE_ATTEMPTS whole downloads, STATE_RETRY_S apart. None when
+        none succeeded (a ``sync_failed`` event; the driver goes on from its own weights). ``event``: extra fields
+        of the ``synced`` / ``sync_failed`` events."""
+        host = self.host
+        donors: list[str] = []
         got = None
         for attempt in range(STATE_ATTEMPTS):
-            got = await host.fetch_state(donors, expected)
+            if attempt:
+                # The state moved on while we fetched, a donor has not read our heartbeat yet (UNAUTHORIZED), or
+                # it left or restarted elsewhere: wait a little, then ask the donors a fresh read names.
+                log.info("state download %d/%d failed; asking again", attempt, STATE_ATTEMPTS)
+                await host.sleep(STATE_RETRY_S[attempt - 1])
+                if host.stop.is_set():
+                    break
+            donors = donors_of([b for b in await host.read_beats() if b.peer != host.me])
+            got = await host.fetch_state(donors, expected) if donors else None
             if got is not None or host.stop.is_set():
                 break
-            # The state moved on while we fetched, a donor has not read our heartbeat yet (UNAUTHORIZED), or it
-            # left or restarted elsewhere: wait a little, then ask the donors a fresh read names.
-            log.info("state download %d/%d failed; asking again", attempt + 1, STATE_ATTEMPTS)
-            await host.sleep(min(2 << attempt, 8))
-            beats = [b for b in await host.read_beats() if b.peer != host.me]
-            donors = _donors(beats, top := swarm_round(beats))
         if got is not None:
             try:
-                await host.compute(node.load_state, got.tensors)
+                await host.compute(load, got.tensors)
             except StateMismatch as e:  # fetch_state checked the layout already: a bug here, not a crash
                 log.warning("the downloaded state does not fit this model: %s", e)
                 got = None
         if got is None:
-            log.warning("could not download state from %d donors; starting from the initial weights", len(donors))
-            host.events.write("sync_failed", donors=len(donors))
-        else:
-            info = dict(donor_round=got.round, tensors=len(got.tensors), rule=got.rule, faulted=len(got.faulted))
-            host.events.write("synced", donors=len(got.donors), **info)
-            log.info("synced state of round %d from %d donor(s) by %s", got.round, len(got.donors), got.rule)
-        if host.stop.is_set():  # stopping mid-sync: our round and weights stay what they were
+            log.warning("could not download the swarm's state from %d donor(s)", len(donors))
+            host.events.write("sync_failed", donors=len(donors), **event)
+            return None
+        info = dict(donor_round=got.round, tensors=len(got.tensors), rule=got.rule, faulted=len(got.faulted))
+        host.events.write("synced", donors=len(got.donors), **info, **event)
+        log.info("synced state of round %d from %d donor(s) by %s", got.round, len(got.donors), got.rule)
+        return got
+
+    def partner_gone(self, peer: str, round_idx: int) -> bool:
+        """``Gossip.gone``: whether ``peer`` left or was paused before ``round_idx`` (its final or paused
+        heartbeat, as last read). While we wait on a partner, the heartbeats are read again about once a second,
+        so a goodbye is seen soon."""
+        b = self.host.beats.get(peer)
+        if b is not None and (b.finished or b.paused) and b.round <= round_idx:
+            return True
+        self.host.refresh_soon()
+        return False
+
+    # -- pausing ---------------------------------------------------------------------------
+
+    async def start_control(self, state: Callable[[], dict[str, Any]]) -> None:
+        """Serve the control socket in the checkpoint folder (none without one, or with ``opts.control`` off):
+        ``pause`` (answered once paused, or after PAUSE_ANSWER_S with the phase; refused, saying why, when the
+        driver's ``may_pause`` gives a reason), ``resume``, ``status``. ``state``: the driver's answer."""
+        host = self.host
+        if not host.opts.control or host.opts.checkpoint_dir is None:
             return
-        # The swarm moved on while we synced: join ahead of where it is now, not where it was (a peer that starts
-        # rounds behind the others trains alone and never catches up). A peer that read our first join_round
-        # may plan us into a round or two before the new one; it skips us at that round's deadline.
-        now_top = swarm_round([b for b in await host.read_beats() if b.peer != host.me])
-        if now_top + JOIN_MARGIN_ROUNDS > node.join_round:
-            node.join_round = now_top + JOIN_MARGIN_ROUNDS
+        server = ControlServer(control_path(host.opts.checkpoint_dir), self.controls(state))
+        await server.start()
+        host.spawn(server.serve())
+
+    def controls(self, state: Callable[[], dict[str, Any]]) -> dict[str, Handler]:
+        """The control handlers (:meth:`start_control`)."""
+
+        def answer() -> dict[str, Any]:
+            return {"paused": self.paused, "phase": self.driver.phase, "round": self.driver.round} | state()
+
+        async def pause() -> dict[str, Any]:
+            self.refusal = None  # a new request: an earlier one's refusal is not its answer
+            if self.left or self.host.stop.is_set():
+                raise ControlError("the peer is leaving")
+            if not self.paused and (why := await self.driver.may_pause()) is not None:
+                raise ControlError(why)
+            self.resume_wanted.clear()
+            self.pause_wanted.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.paused_now.wait(), PAUSE_ANSWER_S)
+            if not self.paused and self.refusal is not None:  # called off after the first check (pause step 2)
+                raise ControlError(self.refusal)
+            return answer()
+
+        async def resume() -> dict[str, Any]:
+            self.pause_wanted.clear()
+            self.resume_wanted.set()
+            return answer()
+
+        async def status() -> dict[str, Any]:
+            return answer()
+
+        return {"pause": pause, "resume": resume, "status": status}
+
+    async def pause(self) -> None:
+        """The one pause sequence (the module docstring's six steps), at a point the driver chose (a step
+        boundary). Returns when resumed, when stopped while paused, or when the run ended meanwhile."""
+        host, d = self.host, self.driver
+        await d.drain()
+        refusal = None if host.stop.is_set() else await d.may_pause()
+        if refusal is not None or not self.pause_wanted.is_set() or self.resume_wanted.is_set():
+            # Called off: refused now, or resumed while we drained (nothing was published: nobody left us out).
+            d.undrain()
+            self.pause_wanted.clear()
+            self.resume_wanted.clear()
+            if refusal is not None:
+                self.refusal = refusal
+                host.events.write("pause_refused", **d.describe(), why=refusal)
+                log.warning("pause called off: %s", refusal)
+            self.paused_now.set()  # wakes the pause request: it answers with the refusal, or that we train
+            self.paused_now.clear()
+            return
+        await host.compute(d.snapshot, d.round)
+        self.paused, d.phase = True, "paused"
+        await publish_quietly(host)
+        self.paused_now.set()
+        host.events.write("paused", **d.describe(), round=d.round, step=d.step)
+        log.info("paused at round %d (locomm-peer resume to go on)", d.round)
+        t0 = time.monotonic()
+        while not (host.stop.is_set() or self.resume_wanted.is_set()):
+            await first_of(1.0, host.stop, self.resume_wanted)
+            if await d.run_over():
+                log.info("the run ended while we were paused")
+                return  # the driver ends; we stay paused
+        self.paused_now.clear()
+        self.resume_wanted.clear()
+        self.pause_wanted.clear()
+        if host.stop.is_set():  # leaving while paused: the final heartbeat follows
+            return
+        paused_at = d.round
+        # Still marked paused while it syncs: a partner that read our new join round before the download ended
+        # would plan us into rounds we miss, and wait out their deadlines for us.
+        while not host.stop.is_set():
+            try:
+                await d.resync()
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the DHT failed us mid-resume: still paused, try again
+                log.warning("could not enter the swarm again (%s); still paused, trying again soon", e)
+                await host.sleep(RESYNC_RETRY_S)
+        if host.stop.is_set():  # stopped while it synced: it leaves as it was, paused
+            return
+        await host.compute(d.snapshot, d.round)  # joiners get the state we train from now, not the paused one
+        d.undrain()
+        self.paused, d.phase = False, "training"
+        await publish_quietly(host)
+        paused_s = time.monotonic() - t0
+        host.events.write("resumed", **d.describe(), round=d.round, paused_at=paused_at, paused_s=paused_s)
+        log.info("resumed at round %d (paused at %d)", d.round, paused_at)
+
+    # -- leaving ---------------------------------------------------------------------------
+
+    async def leave(self, gossip: Gossip, last: int, handover_s: float, max_s: float, ttl: float) -> None:
+        """Serve round ``last``'s payload until its partners have it (or left, or a second signal), then publish
+        the final heartbeat that says we left.
+
+        Past ``handover_s`` we wait only for partners still on their way to that round (a heartbeat younger than
+        ``ttl`` at most a round past it: a loaded partner may be seconds behind), and never past ``max_s``; after
+        Ctrl-C at most STOP_HANDOVER_S."""
+        host, d = self.host, self.driver
+        stopping = host.stop.is_set()
+        t0 = time.monotonic()
+
+        def coming(peer: str) -> bool:
+            b = host.beats.get(peer)
+            return b is not None and not b.finished and b.round <= last + 1 and host.dht_now() - b.time < ttl
+
+        waiting: set[str] = set()
+        while not host.hurry.is_set():
+            waiting = {p for p in gossip.undelivered(last) if not self.partner_gone(p, last + 1)}
+            waiting -= gossip.banned
+            waited = time.monotonic() - t0
+            if stopping:
+                over = waited > min(handover_s, STOP_HANDOVER_S)
+            else:
+                over = waited > max_s or (waited > handover_s and not any(coming(p) for p in waiting))
+            if not waiting or over:
+                break
+            d.phase = "handing over"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(host.hurry.wait(), 0.25)
+        self.left = True
+        d.phase = "left"
+        with contextlib.suppress(Exception):  # a failed store: the heartbeat expires instead
             await host.publish()
-    node.round = node.join_round
-    node.trainer.step = node.round * node.spec.outer.inner_steps
-    await host.settle_view()
-
-
-def _donors(beats: list, top: int) -> list[str]:
-    """Admitted peers at the swarm's round (not those claiming to be far past it, nor those leaving), newest
-    first."""
-    near = [b for b in beats if b.admitted and b.started and not (b.finished or b.paused) and b.round <= top + 1]
-    near = [b for b in near if not (b.island and not b.island_rep)]  # an island follower serves no fresh state
-    return [b.peer for b in sorted(near, key=lambda b: -b.round)[:DONORS]]
-
-
-def partner_gone(node: Node | Stage, peer: str, round_idx: int) -> bool:
-    """``Gossip.gone``: whether ``peer`` left or was paused before ``round_idx`` (its final or paused heartbeat,
-    as last read). While we wait on a partner, the heartbeats are read again about once a second, so a goodbye is
-    seen soon."""
-    b = node.host.beats.get(peer)
-    if b is not None and (b.finished or b.paused) and b.round <= round_idx:
-        return True
-    node.host.refresh_soon()
-    return False
-
-
-async def leave_swarm(node: Node, handover_s: float, max_s: float) -> None:
-    """Serve our last round's payload until its partners have it (or left, or a second signal), then publish
-    the final heartbeat that says we left.
-
-    Past ``handover_s`` we wait only for partners still on their way to that round (a fresh heartbeat at most
-    a round past it: a loaded partner may be seconds behind), and never past ``max_s``; after Ctrl-C at most
-    STOP_HANDOVER_S."""
-    host, last = node.host, node.round - 1
-    stopping = host.stop.is_set()
-    t0 = time.monotonic()
-    ttl = node.spec.network.heartbeat_ttl_s
-
-    def coming(peer: str) -> bool:
-        b = host.beats.get(peer)
-        return b is not None and not b.finished and b.round <= last + 1 and host.dht_now() - b.time < ttl
-
-    waiting: set[str] = set()
-    while not host.hurry.is_set():
-        waiting = {p for p in node.gossip.undelivered(last) if not partner_gone(node, p, last + 1)}
-        waiting -= node.gossip.banned
-        waited = time.monotonic() - t0
-        if stopping:
-            over = waited > min(handover_s, STOP_HANDOVER_S)
-        else:
-            over = waited > max_s or (waited > handover_s and not any(coming(p) for p in waiting))
-        if not waiting or over:
-            break
-        node.phase = "handing over"
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(host.hurry.wait(), 0.25)
-    node.left = True
-    node.phase = "left"
-    await host.publish()
-    handover = time.monotonic() - t0
-    host.events.write("left", round=node.round, handover_s=handover, undelivered=sorted(waiting))
-    if waiting:
-        log.info("left after %.1f s; %d partner(s) never took our last payload", handover, len(waiting))
-
-
-# -- pause and resume (``locomm-peer pause`` / ``resume``, through ``peer/control.py``) -------------------
-
-
-async def start_control(host: Host, handlers: Mapping[str, Handler]) -> None:
-    """Serve the control socket in the checkpoint folder (none without one, or with ``opts.control`` off)."""
-    if not host.opts.control or host.opts.checkpoint_dir is None:
-        return
-    server = ControlServer(control_path(host.opts.checkpoint_dir), handlers)
-    await server.start()
-    host.spawn(server.serve())
+        handover = time.monotonic() - t0
+        host.events.write("left", **d.describe(), round=d.round, handover_s=handover, undelivered=sorted(waiting))
+        if waiting:
+            log.info("left after %.1f s; %d partner(s) never took our last payload", handover, len(waiting))
 
 
 async def publish_quietly(host: Host) -> None:
@@ -205,101 +364,6 @@ async def publish_quietly(host: Host) -> None:
         log.warning("could not publish our heartbeat now (%s); the heartbeat loop tries again", e)
 
 
-class Pausable(Protocol):
-    """What the control handlers drive: a data-parallel node or a pipeline stage."""
-
-    paused: bool
-    pause_wanted: asyncio.Event
-    resume_wanted: asyncio.Event
-    paused_now: asyncio.Event
-
-
-def pause_controls(
-    driver: Pausable, state: Callable[[], dict[str, Any]], refused: Callable[[], Awaitable[str | None]]
-) -> dict[str, Handler]:
-    """``pause`` (answered once the peer is paused, or after PAUSE_ANSWER_S with its phase; refused, saying why,
-    when ``refused()`` gives a reason), ``resume``, ``status``."""
-
-    async def pause() -> dict[str, Any]:
-        if (why := await refused()) is not None:
-            raise ControlError(why)
-        driver.resume_wanted.clear()
-        driver.pause_wanted.set()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(driver.paused_now.wait(), PAUSE_ANSWER_S)
-        # A stage's pause may be called off after this first check (stage_pause.py): its ``refusal`` says why.
-        if not driver.paused and (why := getattr(driver, "refusal", None)) is not None:
-            raise ControlError(why)
-        return state()
-
-    async def resume() -> dict[str, Any]:
-        driver.pause_wanted.clear()
-        driver.resume_wanted.set()
-        return state()
-
-    async def status() -> dict[str, Any]:
-        return state()
-
-    return {"pause": pause, "resume": resume, "status": status}
-
-
-def control_handlers(node: Node) -> dict[str, Handler]:
-    """A data-parallel node's controls (:func:`pause_controls`)."""
-
-    def state() -> dict[str, Any]:
-        return {"paused": node.paused, "phase": node.phase, "round": node.round, "step": node.trainer.step}
-
-    async def refused() -> str | None:
-        if node.left:
-            return "the peer is leaving"
-        if node.island is not None:  # its island would drop it and resync it; not built or tested yet
-            return "an island member cannot pause yet: stop it (Ctrl-C) and its island goes on"
-        return None
-
-    return pause_controls(node, state, refused)
-
-
-async def pause_here(node: Node) -> None:
-    """Paused at a step boundary of round ``node.round`` (its pending exchange finished): say so in a heartbeat,
-    so nobody waits for us from this round on, keep serving state and our last payload, and wait for
-    ``resume`` (or a stop). On resume, enter the swarm again as a joiner does: a new join round a little ahead of
-    the swarm's, and the swarm's state when it moved past our round meanwhile (our own weights otherwise). The
-    paused mark stays up until that is done, so nobody plans us before we can train."""
-    host = node.host
-    node.paused, node.phase = True, "paused"
-    await publish_quietly(host)
-    node.paused_now.set()
-    host.events.write("paused", round=node.round, step=node.trainer.step)
-    log.info("paused at round %d (locomm-peer resume to go on)", node.round)
-    t0 = time.monotonic()
-    await first_of(None, host.stop, node.resume_wanted)
-    node.paused_now.clear()
-    node.resume_wanted.clear()
-    if host.stop.is_set():  # leaving while paused: leave_swarm's final heartbeat follows
-        return
-    paused_at = node.round
-    # Still marked paused while it syncs: a partner that read our new join round before the download ended would
-    # plan us into rounds we miss, and wait out their deadlines for us.
-    while True:
-        try:
-            await enter_swarm(node, resumed=None)
-            break
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the DHT failed us mid-resume: still paused, try again
-            log.warning("could not enter the swarm again (%s); still paused, trying again in 5 s", e)
-            await host.sleep(5.0)
-            if host.stop.is_set():
-                break
-    if host.stop.is_set():  # stopped while it synced: it leaves as it was, paused
-        return
-    await host.compute(node._snapshot, node.round)  # joiners get the state we train from now, not the paused one
-    node.paused, node.phase = False, "training"
-    await publish_quietly(host)
-    host.events.write("resumed", round=node.round, paused_at=paused_at, paused_s=time.monotonic() - t0)
-    log.info("resumed at round %d (paused at %d)", node.round, paused_at)
-
-
 async def first_of(timeout: float | None, *events: asyncio.Event) -> None:
     """Until one of ``events`` is set (or ``timeout`` seconds): a paused driver waits for resume or stop."""
     waits = [asyncio.ensure_future(e.wait()) for e in events]
@@ -310,44 +374,6 @@ async def first_of(timeout: float | None, *events: asyncio.Event) -> None:
             w.cancel()
 
 
-def device_and_plan(host: Host) -> tuple[Any, Any]:
-    """The device and the memory plan of ``--max-memory`` (``train/plan.py``), logged as a ``plan`` event. Call it in
-    the compute thread before the model is on the device (the device's free memory is the default budget)."""
-    from locomm.train import peer_plan, resolve_device  # noqa: PLC0415 - imports torch
-
-    device = resolve_device(host.opts.device)
-    plan = peer_plan(host.spec, device=device, max_memory_gb=host.opts.max_memory_gb)
-    if plan is None:
-        return device, None
-    host.events.write("plan", **plan.as_json())
-    log.info("memory plan:\n%s", plan.describe())
-    return device, plan
-
-
-def node_summary(node: Node, initial_val: float, final_val: float, first_heartbeat_s: float) -> dict[str, Any]:
-    """What a data-parallel peer reports at exit (its ``finished`` event and ``--json`` line)."""
-    g, h = node.gossip.stats, node.host
-    counted = ("exchanges_ok", "exchanges_failed", "bytes_undelivered", "pushes_ok", "pushes_failed", "pulls")
-    counted += ("gave_up", "gone_skipped", "gave_up_on")
-    return {
-        "peer": h.me,
-        "rounds_completed": node.round,
-        "initial_loss": initial_val,
-        "final_loss": final_val,
-        "bytes_sent": node.bytes_sent(),
-        "bytes_received": node.bytes_received(),
-        **{k: getattr(g, k) for k in counted},
-        "unreachable": g.unreachable,
-        "transfers_cut": h.rpc.stats.cut,
-        "faults": h.faults.total,
-        "banned": len(h.faults.banned),
-        "banned_peers": sorted(h.faults.banned),
-        "wait_s": node.wait_s,
-        "wall_s": time.perf_counter() - node.t_train,
-        "steps": node.trainer.step,
-        "members": node.members,
-        "first_heartbeat_s": first_heartbeat_s,
-        "errors_answered": dict(h.rpc.stats.errors_answered),
-        "interrupted": h.stop.is_set(),
-        **({"island": node.island.summary()} if node.island is not None else {}),
-    }
+def finite(x: float) -> float | None:
+    """A loss for a heartbeat or an event: None unless it is a finite float."""
+    return x if isinstance(x, float) and math.isfinite(x) else None

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from locomm import PROTOCOL_VERSION
 from locomm.config import RunSpec
-from locomm.peer.options import SpecMismatch
+from locomm.peer.options import NodeOptions, SpecMismatch
 from locomm.peer.transport.swarm import fetch_spec, peer_ids_of
-
-if TYPE_CHECKING:
-    from locomm.peer.host import Host
 
 __all__ = ["settle_spec"]
 
@@ -33,12 +31,12 @@ FETCH_ATTEMPTS = 20
 """Reads of the initial peers' spec records, 0.5 s apart, before a peer decides the swarm has none."""
 
 
-async def settle_spec(host: Host) -> RunSpec:
-    """The spec ``host`` runs (see the module docstring); raises SpecMismatch for a swarm it cannot join."""
-    opts, own = host.opts, host.spec
+async def settle_spec(dht: Any, opts: NodeOptions, own: RunSpec, closed: bool, event: Callable[..., Any]) -> RunSpec:
+    """The spec a starting peer runs (see the module docstring): ``own``, the one of ``opts``, or the swarm's read
+    through ``dht``; ``closed``: it holds a swarm key; ``event`` writes to its event log. Raises SpecMismatch for
+    a swarm it cannot join."""
     if not opts.initial_peers:
         return own
-    closed = host.swarm_key is not None
     trusted = peer_ids_of(opts.initial_peers)
     if not trusted:
         raise SpecMismatch("--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>")
@@ -46,7 +44,7 @@ async def settle_spec(host: Host) -> RunSpec:
     # With --config, an empty swarm is no error: fewer reads before this peer starts it with its own spec.
     attempts = 6 if opts.spec_from_user else FETCH_ATTEMPTS
     for attempt in range(attempts):
-        for peer, spec in zip(trusted, await asyncio.gather(*(_fetch(host, p) for p in trusted))):
+        for peer, spec in zip(trusted, await asyncio.gather(*(_fetch(dht, p) for p in trusted))):
             if spec is not None:
                 found[peer] = spec
         if len(found) == len(trusted) or (found and attempt >= 3):  # an initial peer may be gone
@@ -60,7 +58,7 @@ async def settle_spec(host: Host) -> RunSpec:
                 " that verifies with this --swarm-key" if closed else "",
                 own.hash()[:12],
             )
-            host.events.write("spec_published", hash=own.hash(), reason="none in the swarm")
+            event("spec_published", hash=own.hash(), reason="none in the swarm")
             return own
         if closed:
             raise SpecMismatch("no run spec in the swarm verifies with this --swarm-key (is it the swarm's key?)")
@@ -91,9 +89,9 @@ async def settle_spec(host: Host) -> RunSpec:
     return spec
 
 
-async def _fetch(host: Host, peer: str) -> dict[str, Any] | None:
+async def _fetch(dht: Any, peer: str) -> dict[str, Any] | None:
     try:
-        return await fetch_spec(host.dht, peer)
+        return await fetch_spec(dht, peer)
     except asyncio.CancelledError:
         raise
     except Exception as e:  # one unreachable initial peer is not fatal

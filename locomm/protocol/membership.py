@@ -25,7 +25,7 @@ import bisect
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,6 +298,32 @@ def swarm_round(beats: Iterable[Heartbeat]) -> int:
     """The swarm's round as a joiner should take it: :func:`robust_top` of the admitted peers' rounds (a paused
     peer's is where it stopped, not the swarm's)."""
     return robust_top(b.round for b in beats if b.admitted and not b.paused)  # a paused round stays behind
+
+
+DONORS = 5
+"""Peers a joiner asks for their state (what most of them agree on wins: ``peer/transport/state_sync.py``)."""
+STATE_RETRY_S = (2.0, 4.0, 8.0, 8.0)
+"""Waits between a joiner's whole state downloads (each asks the donors of a fresh heartbeat read); after the last
+it goes on from its own weights."""
+
+
+def state_donors(
+    beats: Iterable[Heartbeat], top: int, progress: Callable[[Heartbeat], int], *, slack: int = 1, n: int = DONORS
+) -> list[str]:
+    """Whom a joiner asks for state, for every driver: live admitted peers that have started (not leaving, not
+    paused, not an island follower, which serves no fresh state), none further along than ``slack`` past ``top``
+    (the swarm's robust top: one claiming round 10^9 is not asked), nearest to ``top`` first, further along
+    first on a tie. ``progress``: a heartbeat's round (data-parallel) or data clock (a pipeline stage)."""
+    near = [
+        b
+        for b in beats
+        if b.admitted
+        and b.started
+        and not (b.finished or b.paused)
+        and not (b.island and not b.island_rep)
+        and progress(b) <= top + slack
+    ]
+    return [b.peer for b in sorted(near, key=lambda b: (abs(progress(b) - top), -progress(b)))[:n]]
 
 
 def live(beats: Iterable[Heartbeat], now: float, fresh_s: float, *, stage: int | None = None) -> list[Heartbeat]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from locomm.config import DefenceConfig
+from locomm.config import DefenceConfig, RunSpec
 from locomm.protocol.base import Exchange, OuterAlgorithm, Params, Payload
 from locomm.protocol.defence import Defence, Screened
 
@@ -85,10 +85,25 @@ def apply_late(
         received = screened.received
     target = {k: v.clone() for k, v in sent.items()}
     algo.apply(round_idx, target, received)
+    _keep_progress(params, sent, target)
+    return screened
+
+
+def follow_late(
+    algo: OuterAlgorithm, params: Params, sent: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]
+) -> None:
+    """``apply_late`` for a peer that did not run the outer rule itself (an island follower): the outer state
+    ``state`` that another peer's ``apply_late`` reached is loaded, and its outer weights take the place of
+    ``outer(theta_sent)``: theta <- theta_now + (phi - theta_sent), in place."""
+    algo.load_state_dict(state)
+    target = {k: algo.phi[k].to(device=v.device, dtype=v.dtype) for k, v in sent.items()}
+    _keep_progress(params, sent, target)
+
+
+def _keep_progress(params: Params, sent: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for k, p in params.items():
             p.add_(target[k] - sent[k])
-    return screened
 
 
 def apply_blocking(
@@ -139,6 +154,13 @@ class Rounds:
         self.outcome = Screened(received={})
         """The last applied round's screening (empty before the first)."""
 
+    @classmethod
+    def of_spec(cls, algo: OuterAlgorithm, spec: RunSpec, *, overlap: bool = True, pipeline: bool = False) -> Rounds:
+        """The schedule a run spec gives, the same in the daemon and the simulator: the spec's defence, and its
+        ``apply_delay_steps`` (a pipeline stage applies at its next sync instead, by the data clock)."""
+        delay = 0 if pipeline else spec.outer.apply_delay_steps
+        return cls(algo, spec.outer.inner_steps, overlap=overlap, apply_delay_steps=delay, defence=spec.defence)
+
     @property
     def rejected(self) -> list[tuple[object, str]]:
         """(sender, reason) of each update the last applied round dropped: record a fault against each."""
@@ -161,6 +183,10 @@ class Rounds:
         self.pending = plan(self.algo, round_idx, members, params)
         self.received = None
         return self.pending
+
+    def drop(self) -> None:
+        """Forget the pending round without applying it (its exchange was cancelled: a peer stopping)."""
+        self.pending, self.received = None, None
 
     def arrived(self, received: Mapping) -> None:
         """The exchange is over: this is what the outer rule takes (own payload included)."""

@@ -123,7 +123,7 @@ class PipelineSim:
             for s in range(self.S):
                 algos = [build_outer(spec.outer, self.workers[r][s].params(), self.names[s][r]) for r in range(self.R)]
                 self.algos.append(algos)
-                self.rounds.append([Rounds(a, self.H, overlap=overlap) for a in algos])
+                self.rounds.append([Rounds.of_spec(a, spec, overlap=overlap, pipeline=True) for a in algos])
                 shapes = {k: tuple(p.shape) for k, p in self.workers[0][s].params().items()}
                 a0 = algos[0]
                 self.coders.append(PayloadCodec(shapes, a0.payload_roles, spec.compression, encoded=a0.payload_encoded))

@@ -11,12 +11,23 @@ import shutil
 import subprocess
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from locomm.testing.netns import NetlabError
 
-if TYPE_CHECKING:
-    from locomm.testing.netlab import Host
+
+class Host(Protocol):
+    """What a measurement needs of a lab host (``netlab.Host``): its name, its address, and commands run in it."""
+
+    name: str
+    ip: str
+
+    def popen(self, cmd: Sequence[str] | str, **kw: Any) -> subprocess.Popen: ...
+
+    def run(
+        self, cmd: Sequence[str] | str, *, check: bool = True, timeout: float = 60.0, **kw: Any
+    ) -> subprocess.CompletedProcess: ...
 
 
 _XFER = r"""

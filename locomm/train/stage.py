@@ -158,3 +158,19 @@ class StageWorker:
         self.module.project_()
         self.accumulated = 0
         self.step += 1
+
+
+@torch.no_grad()
+def eval_mid(w: StageWorker, x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    w.module.eval()
+    out = w.module(x.to(w.device), None if h is None else h.to(w.device))
+    w.module.train()
+    return out
+
+
+@torch.no_grad()
+def eval_last(w: StageWorker, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor | None) -> float:
+    w.module.eval()
+    loss = float(StageModule.loss(w.module(x.to(w.device), h.to(w.device)), y.to(w.device)))
+    w.module.train()
+    return loss

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from locomm.config import RunSpec
-from locomm.peer.host import Host, NodeOptions
+from locomm.peer.host import Host
+from locomm.peer.options import NodeOptions
 from locomm.protocol.membership import Heartbeat
 
 pytestmark = pytest.mark.timeout(120)

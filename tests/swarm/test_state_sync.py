@@ -175,7 +175,7 @@ async def test_a_holder_serving_other_bytes_than_its_manifest_is_dropped_and_its
 ):
     """A donor that copies the honest manifest (same hash) but serves other bytes fails the per-tensor sha256;
     the batch it was given is fetched from another holder of that state."""
-    from locomm.peer import state as state_mod
+    from locomm.peer.transport import state_sync as state_mod
 
     monkeypatch.setattr(state_mod, "FETCH_BATCH_BYTES", 64)  # one tensor per batch: every holder gets work
     honest = state()

@@ -101,7 +101,8 @@ async def _open_swarm_spec(tmp: Path, cfg: Path) -> dict:
     from hivemind.p2p import P2P
     from hivemind.utils import get_dht_time
 
-    from locomm.peer.host import Host, NodeOptions
+    from locomm.peer.host import Host
+    from locomm.peer.options import NodeOptions
     from locomm.peer.transport.records import SwarmValidator, load_identity, spec_key
     from locomm.peer.transport.swarm import fetch_spec
 
@@ -150,7 +151,8 @@ def test_forged_records_and_outsiders_are_refused(tmp_path: Path, launcher: Laun
     from hivemind.utils import get_dht_time
 
     from locomm.cli.status import snapshot
-    from locomm.peer.host import Host, NodeOptions
+    from locomm.peer.host import Host
+    from locomm.peer.options import NodeOptions
     from locomm.peer.transport.records import SwarmKey, SwarmValidator, peers_key, spec_key
     from locomm.peer.transport.swarm import fetch_spec
     from locomm.protocol.messages import ErrorCode, pull_header, push_header

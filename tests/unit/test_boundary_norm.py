@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from locomm.config.defence import DefenceConfig
-from locomm.peer.pipeline.service import BoundaryNorm
+from locomm.protocol.defence import BoundaryNorm
 
 
 def test_a_scaled_activation_is_refused_after_the_window_and_honest_ones_never_are():

@@ -1,4 +1,7 @@
-"""The layout's own rules, checked where CI runs them: no import cycle in locomm, no module over 450 lines.
+"""The layout's own rules, checked where CI runs them: no import cycle in locomm, counting ``TYPE_CHECKING``
+imports (a reader still has to hold them in their head); one concept per file, so a module's length follows its
+concept: a warning above SOFT_LINES, a failure above HARD_LINES (more than one concept: split it at a seam, never
+at a count).
 
 The layering between packages is import-linter's (``.importlinter``, run by ``.ci/run``); a cycle inside a
 package (two modules importing each other, a package and its submodule) is not a layering break, so it is
@@ -7,12 +10,14 @@ checked here, on the same import graph (grimp, import-linter's own).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import grimp
 
 ROOT = Path(__file__).resolve().parents[2] / "locomm"
-MAX_LINES = 450
+SOFT_LINES = 600
+HARD_LINES = 800
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -61,7 +66,7 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
 
 
 def test_no_import_cycles():
-    graph = grimp.build_graph("locomm", exclude_type_checking_imports=True)
+    graph = grimp.build_graph("locomm")  # TYPE_CHECKING imports count
     assert _cycles(graph) == []
 
 
@@ -75,8 +80,9 @@ def test_the_cycle_finder_finds_one():
     assert _cycles(graph) == [["p.a", "p.b"]]
 
 
-def test_no_module_over_450_lines():
-    long = {
-        str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
-    assert long == {}
+def test_module_length_follows_its_concept():
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    for path, n in sorted(lines.items()):
+        if n > SOFT_LINES:
+            warnings.warn(f"{path}: {n} lines (over {SOFT_LINES}): is it still one concept?", stacklevel=1)
+    assert {p: n for p, n in lines.items() if n > HARD_LINES} == {}

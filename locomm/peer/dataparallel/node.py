@@ -23,6 +23,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,26 +32,24 @@ from locomm import __version__
 from locomm.checkpoint import save_tensors_atomic
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
-from locomm.peer.dataparallel.partners import Partners, note_screening
+from locomm.peer.dataparallel.partners import Partners
 from locomm.peer.host import Host
-from locomm.peer.options import NodeOptions, SpecMismatch
-from locomm.peer.presence import (
-    control_handlers,
-    device_and_plan,
-    enter_swarm,
-    leave_swarm,
-    node_summary,
-    partner_gone,
-    pause_here,
-    start_control,
-)
-from locomm.peer.transport.state_sync import Snapshot, StateServer, load_state, state_tensors
+from locomm.peer.options import NodeOptions
+from locomm.peer.presence import JOIN_MARGIN_ROUNDS, Presence, finite
+from locomm.peer.transport.state_sync import Snapshot, StateServer, expected_layout, load_state, state_tensors
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
-from locomm.protocol.membership import NOT_ADMITTED, Heartbeat, islands_led, members_for_round
+from locomm.protocol.membership import (
+    NOT_ADMITTED,
+    Heartbeat,
+    islands_led,
+    members_for_round,
+    state_donors,
+    swarm_round,
+)
 from locomm.protocol.timing import ema
 
-__all__ = ["Node", "NodeOptions", "SpecMismatch"]
+__all__ = ["Node"]
 
 log = logging.getLogger(__name__)
 STOP_EXCHANGE_S = 10.0  # after Ctrl-C, how long the pending exchange may still take (a second Ctrl-C: none)
@@ -59,7 +58,11 @@ STOP_EXCHANGE_S = 10.0  # after Ctrl-C, how long the pending exchange may still 
 class Node:
     """One data-parallel peer (see the module docstring)."""
 
-    def __init__(self, spec: RunSpec, opts: NodeOptions) -> None:
+    def __init__(self, spec: RunSpec, opts: NodeOptions, island: Callable[..., Any] | None = None) -> None:
+        """``island``: with ``opts.island``, what builds the island member (``peer.island.member.Island``, handed in
+        by the CLI: drivers do not import each other), called ``island(node, name, size, key)``."""
+        if opts.island is not None and island is None:
+            raise ConfigError("--island: this node was built without an island member")
         if spec.outer.algo not in ("noloco", "gasloc", "sparseloco", "diloco"):
             raise ConfigError(
                 f"outer.algo: the peer daemon runs noloco, gasloc, sparseloco or diloco; "
@@ -68,10 +71,12 @@ class Node:
         self.spec = spec
         self.opts = opts
         self.host: Host
+        self.presence: Presence
         self.roster: Partners
         self._attack_gen = torch.Generator().manual_seed(spec.train.seed)
         self.averager: Any = None
         self.island: Any = None
+        self._make_island = island
         self.round = self.join_round = 0
         self.end_round: int | None = None
         self.round_t0, self.round_s, self.phase = time.time(), 0.0, "starting"
@@ -80,8 +85,6 @@ class Node:
         self.avg_bytes = 0
         self.last_loss = self.val_loss = float("nan")
         self.tokens_per_s = self.wait_s = 0.0
-        self.started = self.left = self.paused = False
-        self.pause_wanted, self.resume_wanted, self.paused_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self.step_in_round = 0
         self.summary: dict[str, Any] = {}
 
@@ -93,7 +96,7 @@ class Node:
     def _build(self, shard: tuple[int, int]) -> None:
         from locomm.train import Trainer  # noqa: PLC0415
 
-        device, plan = device_and_plan(self.host)
+        device, plan = self.host.device_and_plan()
         self.trainer = Trainer(
             self.spec,
             device=device,
@@ -109,13 +112,7 @@ class Node:
             self.spec.compression,
             encoded=self.algo.payload_encoded,
         )
-        self.rounds = schedule.Rounds(
-            self.algo,
-            self.spec.outer.inner_steps,
-            overlap=True,
-            apply_delay_steps=self.spec.outer.apply_delay_steps,
-            defence=self.spec.defence,
-        )
+        self.rounds = schedule.Rounds.of_spec(self.algo, self.spec)
 
     def _sent_params(self) -> dict[str, torch.Tensor]:
         """The weights a round's plan sends from: our own, or (``--attack``, benchmarks only) an attacker's."""
@@ -156,17 +153,11 @@ class Node:
 
     def heartbeat(self) -> Heartbeat:
         h, g, c = self.host, self.gossip.stats, self._counters()
-        return Heartbeat(
-            peer=h.me,
+        return self.presence.beat(
             **{k: c[k] for k in ("round", "step", "loss", "val_loss", "tokens_per_s", "bytes_sent")},
             join_round=self.join_round,
-            started=self.started,
-            finished=self.left,
-            paused=self.paused,
             eta_s=self._eta_s(),
             last_exchange=g.last_exchange,
-            version=__version__,
-            maddrs=tuple(str(m) for m in h.maddrs),
             avg_maddrs=tuple(self.averager.maddrs()) if self.averager is not None else (),
             # What partners need for an ETA of our payload: when this round's compute began, how long
             # a round takes us, how fast we upload, to how many partners.
@@ -174,7 +165,6 @@ class Node:
             round_s=self.round_s,
             up_Bps=g.up_Bps,
             partners=self.partners,
-            faults=h.faults.total,
             banned=len(h.faults.banned),
             **(self.island.beat_fields() if self.island is not None else {}),
         )
@@ -191,8 +181,8 @@ class Node:
         return {
             "round": self.round,
             "step": self.trainer.step,
-            "loss": _finite(self.last_loss),
-            "val_loss": _finite(self.val_loss),
+            "loss": finite(self.last_loss),
+            "val_loss": finite(self.val_loss),
             "tokens_per_s": self.tokens_per_s,
             "members": self.members,
             "bytes_sent": self.bytes_sent(),
@@ -216,6 +206,92 @@ class Node:
             "banned": len(h.faults.banned),
         }
 
+    # -- the presence's hooks (peer/presence.py) ------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    async def may_pause(self) -> str | None:
+        if self.island is not None:  # its island would drop it and resync it; not built or tested yet
+            return "an island member cannot pause yet: stop it (Ctrl-C) and its island goes on"
+        return None
+
+    async def drain(self) -> None:
+        """Nothing to do: the round loop pauses only once its pending exchange is applied (``_train``)."""
+
+    def undrain(self) -> None:
+        pass
+
+    def snapshot(self, round_idx: int) -> None:
+        self._snapshot(round_idx)
+
+    async def resync(self) -> None:
+        await self._enter(resumed=None)
+
+    async def run_over(self) -> bool:
+        return False  # a paused data-parallel peer waits for resume or stop, whatever the swarm does
+
+    async def _enter(self, resumed: bool | None) -> None:
+        """Pick the round to join at, a little ahead of the swarm's (two thirds of the admitted peers reached it:
+        one peer claiming round 10^9 cannot send us there), and download the state unless we resumed our own.
+        ``resumed=None`` (back from a pause): our own state is current unless the swarm moved past our round."""
+        host = self.host
+        beats = [b for b in await host.read_beats() if b.peer != host.me]
+        top = swarm_round(beats)
+        if resumed is None:
+            resumed = top <= self.round
+        if all(not b.started for b in beats) and (top == 0 or (resumed and top == self.round)):
+            # Nobody has trained yet (a new swarm, or a stopped one restarting from checkpoints of one round): start
+            # together.
+            self.join_round = self.round
+            return
+        # Join a little ahead of the swarm, so every peer counts us from the same round on: peers that computed a
+        # round's membership before our heartbeat reached them never expect us in it.
+        self.join_round = max(top + JOIN_MARGIN_ROUNDS, self.round)
+        await host.publish()
+        if not resumed and top > 0:
+            self.phase = "syncing"
+            expected = expected_layout(state_tensors(self.algo.phi, self.algo))  # what _snapshot serves
+            await self.presence.download(
+                lambda bs: state_donors(bs, swarm_round(bs), _round), expected, self.load_state
+            )
+            if host.stop.is_set():  # stopping mid-sync: our round and weights stay what they were
+                return
+            # The swarm moved on while we synced: join ahead of where it is now, not where it was (a peer that
+            # starts rounds behind the others trains alone and never catches up). A peer that read our first
+            # join_round may plan us into a round or two before the new one; it skips us at that round's deadline.
+            now_top = swarm_round([b for b in await host.read_beats() if b.peer != host.me])
+            if now_top + JOIN_MARGIN_ROUNDS > self.join_round:
+                self.join_round = now_top + JOIN_MARGIN_ROUNDS
+                await host.publish()
+        self.round = self.join_round
+        self.trainer.step = self.round * self.spec.outer.inner_steps
+        await host.settle_view()
+
+    def _summary(self, initial_val: float, final_val: float, first_heartbeat_s: float) -> dict[str, Any]:
+        g = self.gossip.stats
+        counted = ("bytes_undelivered", "pushes_ok", "pushes_failed", "pulls", "gave_up", "gone_skipped", "gave_up_on")
+        return self.presence.summary(
+            self.gossip,
+            rounds=self.round,
+            steps=self.trainer.step,
+            initial=initial_val,
+            final=final_val,
+            t0=self.t_train,
+            bytes_sent=self.bytes_sent(),
+            bytes_received=self.bytes_received(),
+            **{k: getattr(g, k) for k in counted},
+            unreachable=g.unreachable,
+            wait_s=self.wait_s,
+            members=self.members,
+            first_heartbeat_s=first_heartbeat_s,
+            **({"island": self.island.summary()} if self.island is not None else {}),
+        )
+
     # -- start-up ----------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
@@ -233,27 +309,26 @@ class Node:
         )
         first_heartbeat_s = time.perf_counter() - host.t_launch
         first_heartbeat_at = time.time()
+        self.presence = Presence(host, self)
         await host.compute(self._build, host.default_shard())
         self.gossip = host.gossip(self.codec)
         self.roster = Partners(host, self.spec, self.codec.raw_bytes())
         self.gossip.admit = self.roster.admit  # only a round's partners may push to us
-        self.gossip.gone = lambda peer, r: partner_gone(self, peer, r)  # a partner that left: no waiting
+        self.gossip.gone = self.presence.partner_gone  # a partner that left: no waiting
         self.state_server = StateServer(host.run_id)
         warm = asyncio.get_running_loop().run_in_executor(host.codec_pool, self.codec.warm_up)
         await host.serve(self.gossip.service(), self.state_server.service())
-        if self.opts.island is not None:  # an island member: SCAPE every step (peer/island/member.py)
-            from locomm.peer.island.member import Island  # noqa: PLC0415
-
-            self.island = Island(self, self.opts.island, self.opts.island_size, self.opts.island_key)
+        if self._make_island is not None and self.opts.island is not None:  # SCAPE every step (peer/island/)
+            self.island = self._make_island(self, self.opts.island, self.opts.island_size, self.opts.island_key)
             await host.serve(self.island.service())
         if self.spec.outer.algo == "diloco":
             await self._start_averager()
         resumed = await host.compute(self._resume)
         await warm
         host.heartbeat = self.heartbeat
-        await start_control(host, control_handlers(self))
+        await self.presence.start_control(lambda: {"step": self.trainer.step})
         if self.opts.initial_peers:
-            await enter_swarm(self, resumed)
+            await self._enter(resumed)
         await host.compute(self._snapshot, self.round)
         await host.publish()
         host.start_reporter(self.status)
@@ -273,7 +348,7 @@ class Node:
                 return n_in >= n and islands_led(beats)  # an island counts from its representative on
 
             await host.wait_for(admitted, 60.0, f"{n} admitted peers")
-        self.started = True
+        self.presence.started = True
         initial_val = await self._evaluate()
         # --rounds counts the rounds this process trains; otherwise run to the end of the spec's schedule.
         schedule_end = math.ceil(self.spec.train.steps / self.spec.outer.inner_steps)
@@ -282,12 +357,13 @@ class Node:
             end_round = self.opts.until_round
         await self._train(end_round)
         net = self.spec.network  # a partner a round behind takes our last payload up to a round later
-        await leave_swarm(self, max(net.request_timeout_s, self.round_s), net.max_wait_s)
+        handover_s = max(net.request_timeout_s, self.round_s)
+        await self.presence.leave(self.gossip, self.round - 1, handover_s, net.max_wait_s, net.heartbeat_ttl_s)
         final_val = math.nan if host.hurry.is_set() else await self._evaluate()
         await host.compute(self._checkpoint)
         if self.opts.final_weights and not host.stop.is_set():
             await host.compute(save_tensors_atomic, self.opts.final_weights, self.algo.phi)
-        self.summary = node_summary(self, initial_val, final_val, first_heartbeat_s)
+        self.summary = self._summary(initial_val, final_val, first_heartbeat_s)
         host.events.write("finished", **self.summary)
         host.report("finish", self.summary)
         return self.summary
@@ -312,7 +388,7 @@ class Node:
         self._snapshot(r if r is not None else self.round)
         if self.island is not None and r is not None:  # the island's followers fetch it (peer/island/member.py)
             self.island.settle_done(r, True)
-        note_screening(self.host, r, self.rounds.outcome)
+        self.host.note_screening(r, self.rounds.outcome)
 
     async def _exchange(self, round_idx: int, planned: schedule.Planned) -> tuple[dict[str, Any], int]:
         """Everything the outer rule needs (our own payload included), and how many partners answered."""
@@ -341,7 +417,7 @@ class Node:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                self.rounds.pending = None
+                self.rounds.drop()
                 return
         if not task.done():
             self.phase = "exchanging"
@@ -378,7 +454,7 @@ class Node:
                     await island.outer_point()  # a follower: the round its representative settled here
                 losses.append(await (island.step() if island else host.compute(self.trainer.train_step)))
                 self.step_in_round += 1
-                if host.stop.is_set() or (cut := self.pause_wanted.is_set()):
+                if host.stop.is_set() or (cut := self.presence.pause_wanted.is_set()):
                     break
             self.last_loss = sum(losses) / len(losses)
             compute_s = time.perf_counter() - t0
@@ -389,8 +465,8 @@ class Node:
             pending = None
             if host.stop.is_set():  # stopping: no new exchange; the last partial round stays local
                 break
-            if cut:  # paused (even if resumed since): the partial round stays local; pause_here re-enters the swarm
-                await pause_here(self)
+            if cut:  # paused (even if resumed since): the partial round stays local; the pause re-enters the swarm
+                await self.presence.pause()
                 continue
             if island is not None and not island.leading:  # a follower: no exchange of its own
                 await island.outer_point()
@@ -446,5 +522,5 @@ class Node:
         host.report("round_done", self.status())
 
 
-def _finite(x: float) -> float | None:
-    return x if isinstance(x, float) and math.isfinite(x) else None
+def _round(b: Heartbeat) -> int:
+    return b.round

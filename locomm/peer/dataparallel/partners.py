@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from locomm.config import RunSpec
 from locomm.peer.host import Host
-from locomm.protocol.defence import Screened
 from locomm.protocol.membership import members_for_round
 from locomm.protocol.timing import partner_eta
 
@@ -78,19 +77,3 @@ class Partners:
             return now + (at - now_wall)
 
         return eta
-
-
-def note_screening(host: Host, round_idx: int | None, outcome: Screened) -> None:
-    """A rejected update is a fault against its sender (the round went on without it). Every applied round's
-    screening goes to the event log: whose updates were screened, rejected, clipped, and DiLoCo's fallback."""
-    for sender, why in outcome.rejected:
-        host.faults.record(str(sender), f"round {round_idx}: update rejected: {why}")
-    if round_idx is not None:
-        host.events.write(
-            "screened",
-            round=round_idx,
-            senders=[str(p) for p in outcome.senders],
-            rejected=[str(p) for p, _ in outcome.rejected],
-            clipped={str(p): scale for p, scale in outcome.clipped},
-            fallback=outcome.fallback,
-        )

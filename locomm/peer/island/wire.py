@@ -1,4 +1,5 @@
-"""The island service's bodies (``peer/island/member.py``): the synchronized buffer, and named fp32 tensors.
+"""The island service's wire bytes (``peer/island/member.py``): the synchronized buffer, named fp32 tensors, a
+state answer's fields; a closed island's membership proof.
 
 Every size is checked against what this member expects before anything is allocated: the values of a step
 against its own mask (the members' masks are identical), a tensor against its own model's layout; a body that
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,10 +19,6 @@ from locomm.peer.transport.records import SwarmKey
 from locomm.peer.transport.rpc import Call, Link
 from locomm.protocol.messages import ErrorCode, ProtocolViolation, response_header
 from locomm.protocol.scape import ScapeSync, Synced, decode_indices, encode_indices
-
-if TYPE_CHECKING:
-    from locomm.peer.dataparallel.node import Node
-    from locomm.peer.island.member import Island
 
 LEAVING = "the representative is leaving"
 NEVER_PLANNED = "never planned here"
@@ -171,15 +168,6 @@ async def read_tensors(
     return out, total
 
 
-def state_header(node: Node, sync: ScapeSync) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
-    """The layout an ``island.state`` answer may carry: weights, AdamS moments, outer state, theta_sent."""
-    params = {k: tuple(p.shape) for k, p in node.params().items()}
-    want = {f"model/{k}": s for k, s in params.items()}
-    optional = {f"adam/{k}": s for k, s in params.items()} | {f"sent/{k}": s for k, s in params.items()}
-    want |= optional | {f"outer/{k}": tuple(v.shape) for k, v in node.algo.state_dict().items()}
-    return want, frozenset(optional)
-
-
 async def read_state(
     link: Link, resp: dict[str, Any], layout: tuple[dict[str, tuple[int, ...]], frozenset[str]]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], torch.Tensor | None, int]:
@@ -210,71 +198,3 @@ async def read_state(
     except CodecError as e:
         raise _bad(f"state mask: {e}") from None
     return tensors, fields, mask, n + len(tail)
-
-
-def apply_outer(node: Node, sent: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
-    """A follower lands a round: the settled outer state, then theta += phi - theta_sent (as ``apply_late``)."""
-    algo = node.algo
-    algo.load_state_dict(state)
-    target = {k: v.clone() for k, v in sent.items()}
-    algo._set_params(target, algo.phi)  # noqa: SLF001 - the same copy the representative's apply made
-    with torch.no_grad():
-        for k, p in node.params().items():
-            p.add_(target[k] - sent[k])
-
-
-def state_of(island: Island) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """What ``island.state`` sends (on the compute thread: a step boundary)."""
-    node = island.node
-    params = node.params()
-    opt = node.trainer.optimizer
-    tensors = {f"model/{k}": p.detach() for k, p in params.items()}
-    adam_step = 0.0
-    for k, p in params.items():
-        st = opt.state.get(p)
-        if st:
-            tensors[f"adam/{k}"] = st["exp_avg"]
-            adam_step = float(st["step"])
-    tensors |= {f"outer/{k}": v for k, v in node.algo.state_dict().items()}
-    pending = node.rounds.pending
-    sent_round = pending.round_idx if pending is not None else (max(island.sent) if island.sent else -1)
-    sent = pending.sent if pending is not None else island.sent.get(sent_round)
-    if sent is not None:
-        tensors |= {f"sent/{k}": v for k, v in sent.items()}
-    mask = island.sync.mask
-    fields = {
-        "trainer_step": node.trainer.step,
-        "adam_step": adam_step,
-        "sync_step": island.sync.step,
-        "round": node.round,
-        "step_in_round": node.step_in_round,
-        "sent_round": sent_round if sent is not None else -1,
-        "nmask": -1 if mask is None else mask.numel(),
-    }
-    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, fields | {"mask": mask}
-
-
-def load_state(
-    island: Island, tensors: dict[str, torch.Tensor], fields: dict[str, Any], mask: torch.Tensor | None
-) -> None:
-    """Take a representative's state (the compute thread)."""
-    node = island.node
-    params = node.params()
-    opt = node.trainer.optimizer
-    with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(tensors[f"model/{k}"])
-            if f"adam/{k}" in tensors:
-                st = opt.state[p]
-                st["exp_avg"] = tensors[f"adam/{k}"].to(p.device).clone()
-                st["step"] = torch.tensor(float(fields["adam_step"]))
-            else:
-                opt.state.pop(p, None)
-    node.algo.load_state_dict({k[len("outer/") :]: v for k, v in tensors.items() if k.startswith("outer/")})
-    island.sent = {}
-    if fields["sent_round"] >= 0:
-        island.sent[fields["sent_round"]] = {k: tensors[f"sent/{k}"].to(p.device, p.dtype) for k, p in params.items()}
-    node.trainer.step = fields["trainer_step"]
-    node.round, node.step_in_round = fields["round"], fields["step_in_round"]
-    island.sync.step, island.sync.mask = fields["sync_step"], mask
-    island.sync.residual.zero_()

@@ -26,10 +26,9 @@ import torch
 
 from locomm.compression.base import CodecError
 from locomm.compression.boundary import BoundaryCoder, NonFinite
-from locomm.config.defence import DefenceConfig
 from locomm.peer.host import Host
 from locomm.peer.transport.rpc import Call, Service, TransferCut, Unreachable, open_link
-from locomm.protocol.defence import RunningMedian
+from locomm.protocol.defence import BoundaryNorm
 from locomm.protocol.membership import live
 from locomm.protocol.messages import (
     STAGE_MESSAGES,
@@ -40,7 +39,7 @@ from locomm.protocol.messages import (
     validate_activation,
 )
 from locomm.protocol.routing import route
-from locomm.train.stage import StageWorker
+from locomm.train.stage import StageWorker, eval_last, eval_mid
 
 log = logging.getLogger(__name__)
 SUSPECT_S = 30.0
@@ -343,86 +342,3 @@ class StageService:
             host.faults.record(peer, f"gradient {why}")
             raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, f"gradient {why}")
         return loss, g
-
-
-class BoundaryNorm:
-    """The pipeline's poisoning bound: a micro-batch's activation (or gradient) whose RMS exceeds
-    ``defence.reject_factor`` x the running median of the accepted ones is refused (a fault against its
-    sender; the micro-batch is re-routed or lost, the step goes on). No bound until ``defence.window`` values
-    are held: early training moves these sizes fast, and a median of a few is no reference. One far below the
-    median (under 1/reject_factor of it) is taken but does not join the median: a sender of tiny tensors must
-    not pull the bound down until honest senders fail it.
-
-    Why ``reject_factor`` (30) and not ``factor`` (3): at 3 x an honest 2 x 2 nano pipeline faulted its own
-    stage-0 replicas within 32 steps (6 faults, 70 micro-batches lost; 0 of both at 30 x): boundary sizes move
-    more between micro-batches than outer updates between rounds. A scaled (x100) boundary is caught; one
-    scaled by less than 30 is not."""
-
-    def __init__(self, cfg: DefenceConfig) -> None:
-        self.cfg = cfg
-        self.median = RunningMedian(cfg.window)
-        self.refused = 0
-
-    def check(self, t: torch.Tensor | None) -> str | None:
-        """None when ``t`` is accepted (its RMS then joins the median), else why it is refused."""
-        if t is None or not self.cfg.enabled:
-            return None
-        rms = float(t.detach().float().pow(2).mean().sqrt())
-        bound = self.median.bound(self.cfg.reject_factor) if len(self.median) >= self.cfg.window else None
-        if bound is not None and rms > bound:
-            self.refused += 1
-            return f"RMS {rms:.3g} over {self.cfg.reject_factor:g} x the median {self.median.median():.3g}"
-        if bound is None or rms * self.cfg.reject_factor**2 >= bound:  # i.e. rms >= median / reject_factor
-            self.median.update(rms)
-        return None
-
-
-@torch.no_grad()
-def eval_mid(w: StageWorker, x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
-    w.module.eval()
-    out = w.module(x.to(w.device), None if h is None else h.to(w.device))
-    w.module.train()
-    return out
-
-
-@torch.no_grad()
-def eval_last(w: StageWorker, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor | None) -> float:
-    from locomm.model.stages import StageModule  # noqa: PLC0415
-
-    w.module.eval()
-    loss = float(StageModule.loss(w.module(x.to(w.device), h.to(w.device)), y.to(w.device)))
-    w.module.train()
-    return loss
-
-
-def stage_summary(self: Any, initial: float, final: float) -> dict[str, Any]:
-    """A stage replica's summary at exit (its ``finished`` event and ``--json`` line)."""
-    t_end = time.time()
-    svc, h, g = self.svc, self.host, self.gossip.stats
-    log_ = list(svc.stage_log)
-    t0 = log_[0][0] if log_ else t_end
-    tokens = svc.boundary_bytes
-    return {
-        "peer": h.me,
-        "stage": self.stage,
-        "initial_loss": initial,
-        "final_loss": final,
-        "steps": self.worker.step,
-        "microbatches": svc.microbatches,
-        "microbatches_lost": svc.lost,
-        "microbatches_rerouted": svc.rerouted,
-        "bytes_fwd": tokens["fwd"],
-        "bytes_tokens": tokens["tokens"],
-        "bytes_bwd": tokens["bwd"],
-        "tokens_served": svc.microbatches * self.spec.pipeline.micro_batch_size * self.spec.data.seq_len,
-        "tokens_forwarded": svc.tokens_forwarded,
-        "compute_intervals": [(round(a, 4), round(b, 4), k) for a, b, k in log_ if k != "eval"],
-        "busy_s": sum(b - a for a, b, k in log_ if k != "eval"),
-        "span_s": t_end - t0,
-        "last_loss": self.last_loss if math.isfinite(self.last_loss) else None,
-        "faults": h.faults.total,
-        "errors_answered": dict(h.rpc.stats.errors_answered),
-        "exchanges_ok": g.exchanges_ok,
-        "exchanges_failed": g.exchanges_failed,
-        "interrupted": h.stop.is_set(),
-    }

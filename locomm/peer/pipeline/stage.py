@@ -22,28 +22,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import statistics
 import time
 from typing import Any
 
 import torch
 
-from locomm import __version__
 from locomm.checkpoint import save_tensors_atomic
 from locomm.compression.boundary import BoundaryCoder
 from locomm.compression.payload import PayloadCodec
 from locomm.config import ConfigError, RunSpec
 from locomm.model.stages import Geometry
-from locomm.peer.dataparallel.partners import note_screening
-from locomm.peer.host import Host, NodeOptions
+from locomm.peer.host import Host
+from locomm.peer.options import NodeOptions
 from locomm.peer.pipeline.checkpoint import StageCheckpoints
-from locomm.peer.pipeline.pause import pause_stage, run_over, stage_controls
-from locomm.peer.pipeline.service import Lost, StageService, eval_mid, stage_summary
-from locomm.peer.presence import device_and_plan, first_of, partner_gone, start_control
+from locomm.peer.pipeline.service import Lost, StageService
+from locomm.peer.presence import Presence, finite, first_of
 from locomm.peer.transport.state_sync import (
     Snapshot,
-    StateMismatch,
     StateServer,
     expected_layout,
     load_state,
@@ -51,14 +46,11 @@ from locomm.peer.transport.state_sync import (
 )
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
-from locomm.protocol.defence import Defence
-from locomm.protocol.membership import Heartbeat, live, members_for_round, pick_stage, robust_top
+from locomm.protocol.membership import Heartbeat, live, members_for_round, pick_stage, robust_top, state_donors
 from locomm.protocol.timing import sibling_wait_s
-from locomm.train.stage import StageWorker
+from locomm.train.stage import StageWorker, eval_mid
 
 log = logging.getLogger(__name__)
-STATE_DONORS = 5
-"""Replicas a joiner of a stage asks for a manifest (``transport/state_sync.py``: their majority or median)."""
 
 
 class Stage:
@@ -73,17 +65,16 @@ class Stage:
         self._last_round_t = 0.0
         self._rounds_due = 0
         """Rounds whose sync has been started (a round starts once)."""
-        self.pending: tuple[schedule.Planned, asyncio.Task] | None = None
+        self.exchange: asyncio.Task | None = None
+        """The pending round's exchange (its plan is ``self.rounds.pending``), applied one round late."""
         self._sync_lock = asyncio.Lock()
         self._mb_seq = 0
         self.members = self.partners = self.last_answered = 0
         self.last_loss = self.val_loss = float("nan")
         self.tokens_per_s = 0.0
-        self.started = self.finished = self.paused = False
         self.phase = "training"
-        self.pause_wanted, self.resume_wanted, self.paused_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.refusal: str | None = None  # why the last pause was called off after it was asked for, if it was
         self._seen_driver = False
+        self.t_train = time.perf_counter()
         self.summary: dict[str, Any] = {}
         self.ckpts = StageCheckpoints(opts.checkpoint_dir, opts.checkpoint_every)
 
@@ -92,29 +83,107 @@ class Stage:
 
     def heartbeat(self) -> Heartbeat:
         """Published once the services exist (the host calls it from then on)."""
-        h, svc = self.host, self.svc
+        svc = self.svc
         clock = svc.data_clock()
-        return Heartbeat(
-            peer=h.me,
+        return self.presence.beat(
             stage=self.stage,
             round=clock // self.spec.outer.inner_steps,
             clock=clock,
             step=self.worker.step,
-            started=self.started,
-            finished=self.finished,
-            paused=self.paused,
-            loss=_finite(self.last_loss),
-            val_loss=_finite(self.val_loss),
+            loss=self.last_loss,
+            val_loss=self.val_loss,
             mb_per_s=svc.mb_per_s(),
             microbatches=svc.microbatches,
             rerouted=svc.rerouted,
             lost=svc.lost,
             tokens_per_s=self.tokens_per_s,
             bytes_sent=self.gossip.stats.bytes_sent + svc.boundary_bytes["fwd"] + svc.boundary_bytes["bwd"],
-            version=__version__,
-            maddrs=tuple(str(m) for m in h.maddrs),
-            faults=h.faults.total,
         )
+
+    def _summary(self, initial: float, final: float) -> dict[str, Any]:
+        """A stage replica's summary at exit (its ``finished`` event and ``--json`` line)."""
+        t_end = time.time()
+        svc = self.svc
+        log_ = list(svc.stage_log)
+        t0 = log_[0][0] if log_ else t_end
+        tokens = svc.boundary_bytes
+        return self.presence.summary(
+            self.gossip,
+            rounds=self.round,
+            steps=self.worker.step,
+            initial=initial,
+            final=final,
+            t0=self.t_train,
+            stage=self.stage,
+            microbatches=svc.microbatches,
+            microbatches_lost=svc.lost,
+            microbatches_rerouted=svc.rerouted,
+            bytes_fwd=tokens["fwd"],
+            bytes_tokens=tokens["tokens"],
+            bytes_bwd=tokens["bwd"],
+            tokens_served=svc.microbatches * self.spec.pipeline.micro_batch_size * self.spec.data.seq_len,
+            tokens_forwarded=svc.tokens_forwarded,
+            compute_intervals=[(round(a, 4), round(b, 4), k) for a, b, k in log_ if k != "eval"],
+            busy_s=sum(b - a for a, b, k in log_ if k != "eval"),
+            span_s=t_end - t0,
+            last_loss=finite(self.last_loss),
+        )
+
+    # -- the presence's hooks (peer/presence.py) ------------------------------------------
+    # Stage 0 pauses at a step boundary; a later stage first refuses new frames (NOT_READY: their senders re-route
+    # them) and answers those it holds. Paused, the replica is in no route and in no sibling's sync round. The last
+    # unpaused replica of a later stage may not pause (every micro-batch would be lost until it resumed). Two
+    # siblings that both pass that check within one heartbeat read can still both pause; their stage then loses
+    # micro-batches until one resumes.
+
+    @property
+    def step(self) -> int:
+        return self.worker.step
+
+    def describe(self) -> dict[str, Any]:
+        return {"stage": self.stage}
+
+    async def may_pause(self) -> str | None:
+        if self.stage == 0 or self.presence.paused:  # stage 0's pause idles the pipeline: nothing is lost
+            return None
+        with contextlib.suppress(Exception):  # a fresh heartbeat read first, if it works
+            await self.host.read_beats()
+        if [p for p in self.svc.live_replicas(self.stage, suspects=True) if p != self.host.me]:
+            return None
+        return (
+            f"this is the only replica of stage {self.stage} that is not paused: pausing it would stop the "
+            "pipeline (no other replica takes its micro-batches); wait until another one serves this stage"
+        )
+
+    async def drain(self) -> None:
+        self.svc.paused = True  # new frames are refused with NOT_READY from here on
+        await self.svc.drained()
+        async with self._sync_lock:
+            if self.rounds.pending is not None:
+                await self._settle()
+
+    def undrain(self) -> None:
+        self.svc.paused = False
+
+    def snapshot(self, round_idx: int) -> None:
+        self._snapshot(round_idx)
+
+    async def resync(self) -> None:
+        await self._join_stage(back_from_pause=True)
+        self._last_round_t = 0.0  # the paused time is no round's length (the siblings' sync deadline)
+
+    async def run_over(self) -> bool:
+        """A later stage's end: every stage-0 replica we saw has finished, or is paused while another finished (a
+        paused driver that comes back after the run finds no stage to send to). One fresh heartbeat read first."""
+        if self.stage == 0:
+            return False
+        with contextlib.suppress(Exception):
+            await self.host.read_beats()
+        drivers = [b for b in self.host.beats.values() if b.stage == 0]
+        self._seen_driver = self._seen_driver or bool(drivers)
+        if not self._seen_driver:
+            return False
+        return not drivers or (all(b.finished or b.paused for b in drivers) and any(b.finished for b in drivers))
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -129,10 +198,10 @@ class Stage:
         spec = self.spec
         self.geo = Geometry.of(spec)
         self.coder = BoundaryCoder(spec, self.geo)
-        device, plan = device_and_plan(self.host)
+        device, plan = self.host.device_and_plan()
         self.worker = StageWorker(spec, self.stage, geo=self.geo, device=device, plan=plan)
         self.algo = build_outer(spec.outer, self.params(), self.host.me)
-        self.defence = Defence(spec.defence, self.algo)
+        self.rounds = schedule.Rounds.of_spec(self.algo, spec, pipeline=True)
         self.codec = PayloadCodec(
             {k: tuple(v.shape) for k, v in self.params().items()},
             self.algo.payload_roles,
@@ -168,6 +237,7 @@ class Stage:
             self.stage = int(stage_arg)
             if not 0 <= self.stage < spec.pipeline.stages:
                 raise ConfigError(f"--stage: {self.stage} is not in [0, {spec.pipeline.stages})")
+        self.presence = Presence(host, self)
         await host.compute(self._build, host.default_shard())
         self.svc = StageService(host, self.worker, self.coder, self._after_backward)
         clock = await host.compute(self.ckpts.attach, self.worker, self.algo, getattr(self, "sampler", None))
@@ -176,12 +246,12 @@ class Stage:
             self.round = self._rounds_due = self.svc.data_clock() // spec.outer.inner_steps
         self.gossip = host.gossip(self.codec)
         self.gossip.admit = self._admit_sync  # replica-sync pushes only from replicas of this stage
-        self.gossip.gone = lambda peer, r: partner_gone(self, peer, r)  # a sibling that left or paused: no waiting
+        self.gossip.gone = self.presence.partner_gone  # a sibling that left or paused: no waiting
         self.state_server = StateServer(host.run_id)
         await host.serve(self.svc.service(), self.gossip.service(), self.state_server.service())
         host.heartbeat = self.heartbeat
         await host.publish()
-        await start_control(host, stage_controls(self))
+        await self.presence.start_control(lambda: {"stage": self.stage, "step": self.worker.step})
         if self.opts.initial_peers:
             await self._join_stage()
         await host.compute(self._snapshot, self.round)
@@ -189,7 +259,8 @@ class Stage:
         log.info("peer %s serves stage %d of %d", host.me, self.stage, spec.pipeline.stages)
         if (n := self.opts.wait_for_peers) > 1:
             await host.wait_for(lambda beats: self._all_staged(beats, n), 90.0, f"{n} peers on every stage")
-        self.started = True
+        self.presence.started = True
+        self.t_train = time.perf_counter()
         await host.publish()
         initial = final = float("nan")
         if self.stage == 0:
@@ -200,14 +271,13 @@ class Stage:
         else:
             await self._serve_until_done()
             await self._settle_last(grace_s=5.0)  # a sibling that took fewer micro-batches may never get here
-        self.finished = True
-        with contextlib.suppress(Exception):
-            await host.publish()
+        # No hand-over: a sibling missing our last payload goes on without it at its deadline.
+        await self.presence.leave(self.gossip, self.round - 1, 0.0, 0.0, spec.network.heartbeat_ttl_s)
         await self.ckpts.write(host.compute, self.svc.data_clock(), final=True)
         if self.opts.final_weights and not host.stop.is_set():
             weights = {k: v.detach().contiguous() for k, v in self.params().items()}
             await host.compute(save_tensors_atomic, self.opts.final_weights, weights)
-        self.summary = stage_summary(self, initial, final)
+        self.summary = self._summary(initial, final)
         host.events.write("finished", **self.summary)
         return self.summary
 
@@ -217,41 +287,36 @@ class Stage:
         Back from a pause, whenever they are in a later round than ours (they ran the rounds between without us):
         then we take their clock and round even if no download succeeds, keeping our own weights."""
         host, H = self.host, self.spec.outer.inner_steps
-        beats = await host.read_beats()
-        beats = [b for b in beats if b.peer != host.me and b.stage == self.stage and not (b.finished or b.paused)]
-        trained = [b for b in beats if b.step > 0]
-        clock, clocks = self.svc.data_clock(), [b.clock or b.step for b in trained]
+        trained = self._siblings(await host.read_beats())
+        clock, clocks = self.svc.data_clock(), [_clock(b) for b in trained]
         if back_from_pause:
             wanted = bool(trained) and robust_top(clocks, slack=H) // H > clock // H
         else:
             wanted = bool(trained) and self.ckpts.should_sync(trained, H, clock)
         if not wanted:
             return  # nobody has trained yet, or our own state is as new as theirs
-        # Replicas near the median step first: one claiming step 10^9 is not preferred (fetch_state drops it).
-        median = statistics.median_low([b.step for b in trained])
-        donors = [b.peer for b in sorted(trained, key=lambda b: abs(b.step - median))[:STATE_DONORS]]
-        got = await host.fetch_state(donors, expected_layout(state_tensors(self.params(), self.algo)))
-        if got is not None:
-            try:
-                await host.compute(self._load_state, got.tensors)
-            except StateMismatch as e:  # fetch_state checked the layout already: a bug here, not a crash
-                log.warning("the downloaded state does not fit stage %d: %s", self.stage, e)
-                got = None
-        if got is None:
-            own = "our own weights" if back_from_pause else "the initial weights"
-            log.warning("could not download stage %d's state; going on from %s", self.stage, own)
-            host.events.write("sync_failed", donors=len(donors))
-            if not back_from_pause:
-                return
+
+        def donors(beats: list[Heartbeat]) -> list[str]:
+            sib = self._siblings(beats)
+            return state_donors(sib, robust_top((_clock(b) for b in sib), slack=H), _clock, slack=H)
+
+        expected = expected_layout(state_tensors(self.params(), self.algo))
+        got = await self.presence.download(donors, expected, self._load_state, stage=self.stage)
+        if got is None and not back_from_pause:
+            return  # a joiner goes on from the initial weights
         # The step (and data clock) most siblings reached: one claiming step 10^9 cannot send us there.
         step = robust_top((b.step for b in trained), slack=H)
         self.worker.step = step
         if self.stage > 0:  # the siblings' data clock: our rounds start at the round they are in
             self.svc.clock = robust_top(clocks, slack=H)
         self.round = self._rounds_due = self.svc.data_clock() // H
-        if got is not None:
-            host.events.write("synced", donor_round=got.round, tensors=len(got.tensors), step=step)
-            log.info("stage %d: synced weights of step %d from %d donor(s)", self.stage, step, len(donors))
+
+    def _siblings(self, beats: list[Heartbeat]) -> list[Heartbeat]:
+        """Other live replicas of our stage that have trained (paused and leaving ones are no donors)."""
+        me = self.host.me
+        return [
+            b for b in beats if b.peer != me and b.stage == self.stage and not (b.finished or b.paused) and b.step > 0
+        ]
 
     def _all_staged(self, beats: list[Heartbeat], n: int) -> bool:
         """``n`` peers, self included, announce a stage, and every stage has one."""
@@ -259,13 +324,14 @@ class Stage:
         return len(staged) >= n and {b.stage for b in staged} >= set(range(self.spec.pipeline.stages))
 
     async def _serve_until_done(self) -> None:
-        """Stages after 0 serve until the run is over (``stage_pause.run_over``) or we are stopped."""
+        """Stages after 0 serve until the run is over (:meth:`run_over`) or we are stopped."""
+        presence = self.presence
         while not self.host.stop.is_set():
-            await first_of(1.0, self.host.stop, self.pause_wanted)
-            if self.host.stop.is_set() or await run_over(self):
+            await first_of(1.0, self.host.stop, presence.pause_wanted)
+            if self.host.stop.is_set() or await self.run_over():
                 return
-            if self.pause_wanted.is_set():
-                await pause_stage(self)
+            if presence.pause_wanted.is_set():
+                await presence.pause()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -323,7 +389,7 @@ class Stage:
             host.events.write(
                 "step",
                 step=self.worker.step,
-                loss=_finite(self.last_loss),
+                loss=finite(self.last_loss),
                 lost=svc.lost,
                 rerouted=svc.rerouted,
                 wall_s=time.perf_counter() - t_start,
@@ -335,8 +401,8 @@ class Stage:
                 every = self.opts.eval_every
                 if every and self.round % every == 0 and self.worker.step < self.spec.train.steps:
                     await self._evaluate()
-            if self.pause_wanted.is_set() and self.worker.step < self.spec.train.steps:
-                await pause_stage(self)
+            if self.presence.pause_wanted.is_set() and self.worker.step < self.spec.train.steps:
+                await self.presence.pause()
 
     async def _evaluate(self) -> float:
         self.val_loss = await self.evaluate()
@@ -390,7 +456,7 @@ class Stage:
         self._last_round_t = now
         await host.compute(self._snapshot, r + 1)
         async with self._sync_lock:
-            if self.pending is not None:  # apply the previous round's exchange, one round late
+            if self.rounds.pending is not None:  # apply the previous round's exchange, one round late
                 await self._settle()
             self.gossip.advance(r)
             # Replicas of this stage with a fresh heartbeat (as the heartbeat loop last read them: no DHT
@@ -399,14 +465,13 @@ class Stage:
             net = self.spec.network
             beats = live(host.beats.values(), host.dht_now(), 3 * net.heartbeat_interval_s, stage=self.stage)
             members = members_for_round(beats, r, host.me, fresh_s=net.heartbeat_ttl_s, now=host.dht_now())
-            planned = await host.compute(schedule.plan, self.algo, r, members, self.params())
+            planned = await host.compute(self.rounds.start, r, members, self.params())
             self.members, self.partners = len(members), len(planned.exchange.peers)
             host.events.write("replica_sync", stage=self.stage, round=r, member_ids=members, partners=self.partners)
             t_due = time.monotonic() + sibling_wait_s(self.round_s, host.limits)
-            task = host.spawn(
+            self.exchange = host.spawn(
                 self.gossip.exchange(r, list(planned.exchange.peers), planned.exchange.payload, eta=lambda _p: t_due)
             )
-            self.pending = (planned, task)
             self.round = r + 1
         host.publish_soon()
         if self.ckpts.due(self.round):
@@ -422,34 +487,36 @@ class Stage:
         return await self.host.recheck(sibling)
 
     async def _settle_last(self, grace_s: float) -> None:
-        if self.pending is not None:
+        if self.rounds.pending is not None:
             async with self._sync_lock:
                 await self._settle(grace_s=grace_s)
 
     async def _settle(self, grace_s: float | None = None) -> None:
         """Apply the pending outer round; with ``grace_s`` (at the end of the run) give up on it after that."""
-        if self.pending is None:  # settled meanwhile by another round's sync
+        planned, task = self.rounds.pending, self.exchange
+        if planned is None or task is None:  # settled meanwhile by another round's sync
             return
-        planned, task = self.pending
-        self.pending = None
+        self.exchange = None
         if grace_s is not None:
             await asyncio.wait({task}, timeout=grace_s)
         if (self.host.stop.is_set() or grace_s is not None) and not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            self.rounds.drop()
             return
         got = await task
         self.last_answered = len(got)
-        await self.svc.quiesced(self._apply, planned, planned.received(self.host.me, got))
+        await self.svc.quiesced(self._apply, planned.received(self.host.me, got))
 
-    def _apply(self, planned: schedule.Planned, received: dict[str, Any]) -> None:
-        outcome = schedule.apply_late(self.algo, planned.round_idx, self.params(), planned.sent, received, self.defence)
-        if outcome is not None:
-            note_screening(self.host, planned.round_idx, outcome)
-        self._snapshot(planned.round_idx)
+    def _apply(self, received: dict[str, Any]) -> None:
+        """The pending round's outer update, one round late, keeping local progress (``protocol/rounds.py``)."""
+        r = self.rounds.settle(self.params(), received)
+        self.host.note_screening(r, self.rounds.outcome)
+        self._snapshot(r if r is not None else self.round)
         self.worker.module.project_()
 
 
-def _finite(x: float) -> float | None:
-    return x if isinstance(x, float) and math.isfinite(x) else None
+def _clock(b: Heartbeat) -> int:
+    """A stage replica's progress: its data clock (its step, from a heartbeat without one)."""
+    return b.clock or b.step

@@ -110,3 +110,26 @@ def test_an_island_is_one_participant_and_counts_from_its_representative_on():
     assert islands_led([rep, fol, single]) and islands_led([single])
     assert not islands_led([Heartbeat(peer="QmA", island="x"), fol, single])  # formed, not yet published
     assert islands_led([Heartbeat(peer="QmA", island="y", finished=True), single])  # a left peer names nothing
+
+
+def test_one_donor_rule_for_every_driver():
+    """state_donors: live admitted peers near the robust top, nearest first; liars far ahead, leavers, paused
+    peers, unstarted ones and island followers are never asked."""
+    from locomm.protocol.membership import robust_top, state_donors
+
+    def beat(peer: str, r: int, **kw) -> Heartbeat:
+        return Heartbeat(peer=peer, round=r, started=kw.pop("started", True), **kw)
+
+    beats = [beat(f"h{i}", r) for i, r in enumerate((10, 10, 11, 9, 8, 7))]
+    beats += [beat("liar", 10**9), beat("gone", 10, finished=True), beat("paused", 10, paused=True)]
+    beats += [
+        beat("new", 10, started=False),
+        beat("follower", 10, island="i"),
+        beat("rep", 10, island="i", island_rep=True),
+    ]
+    top = robust_top(b.round for b in beats)
+    assert top == 11  # two thirds reach 10, and one round of slack
+    got = state_donors(beats, top, lambda b: b.round)
+    assert got == ["h2", "h0", "h1", "rep", "h3"]  # at the top first, then nearest to it
+    assert state_donors(beats, top, lambda b: b.round, n=10)[-2:] == ["h4", "h5"]
+    assert state_donors(beats, 10, lambda b: b.round, slack=0) == ["h0", "h1", "rep", "h3", "h4"]  # 11 is past

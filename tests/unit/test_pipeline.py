@@ -273,3 +273,19 @@ def test_simulate_pipeline_cli_json(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "STAGESxREPLICAS" in bad.stderr
+
+
+def test_the_pipeline_simulator_schedules_rounds_as_the_stage_daemon_does():
+    """sim/pipeline.py describes the pipeline daemon: the same round schedule, the run spec's defence included."""
+    from locomm.peer.pipeline.stage import Stage
+    from locomm.protocol import build_outer
+    from locomm.sim.pipeline import PipelineSim
+
+    spec = nano_spec(stages=2, layers=2).replace("outer", algo="noloco", inner_steps=3, apply_delay_steps=1)
+    spec = spec.replace("defence", factor=5.0, window=7)
+    sim = PipelineSim(spec, 2)
+    for s, row in enumerate(sim.rounds):
+        for r, rounds in enumerate(row):
+            daemon = Stage.schedule(build_outer(spec.outer, sim.workers[r][s].params(), "p"), spec)
+            assert rounds.defence.cfg == daemon.defence.cfg == spec.defence
+            assert (rounds.at, rounds.overlap) == (daemon.at, daemon.overlap)

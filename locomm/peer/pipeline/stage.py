@@ -78,6 +78,12 @@ class Stage:
         self.summary: dict[str, Any] = {}
         self.ckpts = StageCheckpoints(opts.checkpoint_dir, opts.checkpoint_every)
 
+    @staticmethod
+    def schedule(algo: Any, spec: RunSpec) -> schedule.Rounds:
+        """A replica's round schedule: the spec's (its defence included), applied at the next sync by the data
+        clock; ``sim/pipeline.py`` builds the same (``tests/unit/test_pipeline.py`` holds them together)."""
+        return schedule.Rounds.of_spec(algo, spec, pipeline=True)
+
     def params(self) -> dict[str, torch.Tensor]:
         return self.worker.params()
 
@@ -201,7 +207,7 @@ class Stage:
         device, plan = self.host.device_and_plan()
         self.worker = StageWorker(spec, self.stage, geo=self.geo, device=device, plan=plan)
         self.algo = build_outer(spec.outer, self.params(), self.host.me)
-        self.rounds = schedule.Rounds.of_spec(self.algo, spec, pipeline=True)
+        self.rounds = self.schedule(self.algo, spec)
         self.codec = PayloadCodec(
             {k: tuple(v.shape) for k, v in self.params().items()},
             self.algo.payload_roles,

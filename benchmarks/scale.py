@@ -153,8 +153,9 @@ def replay_one(
     sized_timeout: bool = True,
 ) -> dict[str, Any]:
     from locomm.protocol.schedule import group_of, noloco_groups
+    from locomm.protocol.timing import Limits
     from locomm.sim.network import RoundRecord, round_done
-    from locomm.sim.timeline import Deadlines, replay_schedule
+    from locomm.sim.timeline import replay_schedule
 
     members = list(range(workers))
     recs = []
@@ -186,8 +187,8 @@ def replay_one(
     from locomm.config import NetworkConfig
 
     cfg = NetworkConfig()
-    dl = Deadlines.from_config(cfg)
-    dl = Deadlines(
+    dl = Limits.from_network(cfg)
+    dl = Limits(
         stall_timeout_s=dl.stall_timeout_s,
         min_rate_Bps=dl.min_rate_Bps / k,
         rate_window_s=dl.rate_window_s,

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from locomm.config import RunSpec
+from locomm.protocol.timing import Limits
 from locomm.sim.network import NetworkModel, RoundRecord
-from locomm.sim.timeline import Deadlines, Schedule
+from locomm.sim.timeline import Schedule
 
 import _harness
 
@@ -68,7 +69,7 @@ def check(path: Path, goodput: float, overhead_s: float = 0.0) -> dict[str, Any]
         n,
         overlap=overlap,
         apply_delay_steps=spec.outer.apply_delay_steps,
-        deadlines=Deadlines.from_config(spec.network),
+        deadlines=Limits.from_network(spec.network),
         round_compute=compute,
         round_overhead_s=overhead_s,
     )

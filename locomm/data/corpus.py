@@ -21,7 +21,6 @@ Notable:
 from __future__ import annotations
 
 import hashlib
-import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -350,7 +349,3 @@ def eval_batches(tokens: np.ndarray, cfg: DataConfig, n_batches: int) -> list[tu
         raise CorpusError(f"validation split ({len(tokens)} tokens) is shorter than seq_len={cfg.seq_len}")
     starts = np.linspace(0, last, n_windows).astype(np.int64)
     return [_windows(tokens, starts[i : i + cfg.batch_size], cfg.seq_len) for i in range(0, n_windows, cfg.batch_size)]
-
-
-def nats_to_bits(nats: float) -> float:
-    return nats / math.log(2)

@@ -56,7 +56,7 @@ def classify(maddr: str) -> str:
     return "other"
 
 
-def address_check(maddrs: list[str], announced: bool) -> Check:
+def address_check(maddrs: list[str]) -> Check:
     kinds = sorted({classify(m) for m in maddrs})
     shown = ", ".join(m.split("/p2p/")[0] for m in maddrs[:4])
     if "public" in kinds:
@@ -368,7 +368,7 @@ async def swarm_checks(
         )
         stack.push_async_callback(probe_dht.shutdown)
         visible = [str(m) for m in await probe.get_visible_maddrs(latest=True)]
-        checks.append(address_check(visible, bool(announce_maddrs)))
+        checks.append(address_check(visible))
         # Each peer's heartbeat loop touches the key once an interval; a loaded peer can be late by a few.
         window = 4 * run.network.heartbeat_interval_s + 10.0
         me = observer.peer_id.to_base58()

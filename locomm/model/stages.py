@@ -111,11 +111,6 @@ class Geometry:
     def E_f(self) -> torch.Tensor:  # (V, d)
         return make_fixed_embedding(self.vocab_size, self.d, self.seed, self.fixed_std)
 
-    @property
-    def boundary_width(self) -> int:
-        """Numbers per token crossing a boundary: k with the subspace, d without."""
-        return self.k if self.subspace else self.d
-
     def free_layers(self) -> set[int]:
         """Blocks left unconstrained: the last stage's final ``free_tail`` (-1 or more than it has: all)."""
         last = self.ranges[-1]

@@ -55,10 +55,6 @@ class OuterAlgorithm(ABC):
     payload_encoded: dict[str, str] = {}
     """Prefixes whose values the algorithm encodes itself (stateful codecs): prefix -> codec stack."""
 
-    @property
-    def payload_prefixes(self) -> tuple[str, ...]:
-        return tuple(self.payload_roles)
-
     def __init__(self, cfg: OuterConfig, params: Params, me: int) -> None:
         self.cfg = cfg
         self.me = me

@@ -76,8 +76,6 @@ class Limits:
             max_wait_s=cfg.max_wait_s,
         )
 
-    from_config = from_network  # the simulator's old name (benchmarks/ call it)
-
     @classmethod
     def never(cls) -> Limits:
         """No deadline at all: every transfer completes, every wait lasts (a simulator without limits)."""

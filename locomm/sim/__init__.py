@@ -3,10 +3,9 @@
 from locomm.protocol.timing import Limits
 from locomm.sim.network import NetworkModel, parse_link
 from locomm.sim.simulator import NetworkRun, SimResult, Simulator, network_for, replay_on, time_to_target
-from locomm.sim.timeline import Deadlines, Schedule, Timeline, replay
+from locomm.sim.timeline import Schedule, Timeline, replay
 
 __all__ = [
-    "Deadlines",
     "Limits",
     "NetworkModel",
     "NetworkRun",

@@ -54,9 +54,6 @@ from locomm.protocol.timing import Limits, ema, partner_eta, wait_deadline
 from locomm.sim.flows import Flow, run_flows
 from locomm.sim.network import NetworkModel, RoundRecord
 
-Deadlines = Limits
-"""The simulator's old name of ``protocol.timing.Limits`` (the daemon's one set of deadlines)."""
-
 STREAM_OPEN_LATENCIES = 2
 """One-way latencies before a push's first byte moves: opening the stream (a round trip)."""
 MATCHMAKING_LATENCIES = 6

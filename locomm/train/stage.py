@@ -58,7 +58,6 @@ class StageWorker:
         self.pending: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.accumulated = 0
         self.step = 0
-        self.micro_done = 0
 
     @property
     def first(self) -> bool:
@@ -106,7 +105,6 @@ class StageWorker:
         leaf, out = self.pending.pop(mb)
         out.backward(g_out.to(self.device, out.dtype))
         self.accumulated += 1
-        self.micro_done += 1
         return None if leaf is None else leaf.grad.detach()
 
     def forward_backward(
@@ -121,7 +119,6 @@ class StageWorker:
         loss = StageModule.loss(logits, targets.to(self.device))
         (loss / self.micro_per_step).backward()
         self.accumulated += 1
-        self.micro_done += 1
         return float(loss.detach()), (None if leaf is None else leaf.grad.detach())
 
     def drop(self, mb: int) -> bool:

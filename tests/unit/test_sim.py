@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from locomm.config import ConfigError
-from locomm.sim import Deadlines, NetworkModel, Schedule, Simulator, network_for, parse_link, replay, time_to_target
+from locomm.protocol.timing import Limits
+from locomm.sim import NetworkModel, Schedule, Simulator, network_for, parse_link, replay, time_to_target
 from locomm.sim.flows import Flow, FlowLimits, maxmin_rates, run_flows
 from locomm.sim.network import RoundRecord
 
@@ -89,7 +90,7 @@ def test_butterfly_allreduce_by_hand():
     S = 4e6  # bytes per member: each link carries 2 * S * 3/4 = 6 MB = 48 Mbit; the 20 Mbit member takes 2.4 s
     assert net.butterfly_allreduce_s([0, 1, 2, 3], S) == pytest.approx(48 / 20 + 2 * 0.01)
     rec = RoundRecord(steps=2, bytes_sent={m: S for m in range(4)}, kind="butterfly", peers={}, members=[0, 1, 2, 3])
-    sched = Schedule(net, 4, overlap=True, deadlines=Deadlines(request_timeout_s=30.0))
+    sched = Schedule(net, 4, overlap=True, deadlines=Limits(request_timeout_s=30.0))
     got = sched.step(rec)
     # Ready at 2, 2, 2, 4 (worker 3 computes at half speed); assembled when the last arrives + 6 latencies.
     assert sched.tl.plans[0] == pytest.approx([2, 2, 2, 4])
@@ -101,13 +102,13 @@ def test_butterfly_allreduce_by_hand():
     assert sched.tl.ends[1] == pytest.approx([8.0 + 0.06 + 2.42] * 4)
     assert sched.tl.compute_utilisation() == pytest.approx([4 / 10.48] * 3 + [8 / 10.48])
     # A step timeout of 1.5 s: worker 3 (ready at 4) misses the group, which assembles at 2 + 1.5 without it.
-    sched = Schedule(net, 4, overlap=True, deadlines=Deadlines(request_timeout_s=1.5))
+    sched = Schedule(net, 4, overlap=True, deadlines=Limits(request_timeout_s=1.5))
     got = sched.step(rec)
     three = 2 * S * (2 / 3) * 8 / (40 * mbit) + 0.02
     assert sched.tl.ends[0] == pytest.approx([3.5 + 0.06 + three] * 3 + [4 + 1.5])
     assert got == [{1, 2}, {0, 2}, {0, 1}, set()]
     # No overlap: the second round starts at the end of the first exchange.
-    sched = Schedule(net, 4, overlap=False, deadlines=Deadlines())
+    sched = Schedule(net, 4, overlap=False, deadlines=Limits())
     sched.step(rec)
     sched.step(rec)
     assert sched.tl.plans[1] == pytest.approx([6.48 + 2] * 3 + [6.48 + 4])

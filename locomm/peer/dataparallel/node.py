@@ -488,7 +488,7 @@ class Node:
             planned = await host.compute(self.rounds.start, self.round, members, self._sent_params())
             self.roster.planned_round(self.round, planned.exchange.peers)
             if island is not None:  # its followers will ask for this round's outer update
-                island.planned.add(self.round)
+                island.planned_round(self.round)
             self.members, self.partners = len(members), len(planned.exchange.peers)
             pending = host.spawn(self._exchange(self.round, planned))
             if not self.opts.overlap:

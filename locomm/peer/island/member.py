@@ -30,7 +30,6 @@ follower that the representative dropped for missing a step's deadline does the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -39,11 +38,10 @@ from typing import Any
 
 import torch
 
-from locomm.compression.base import CodecError
 from locomm.config import ConfigError
-from locomm.peer.island.state import Trainee, apply_outer, load_state, state_header, state_of
+from locomm.peer.island.representative import Representative
+from locomm.peer.island.state import Trainee, apply_outer, load_state, state_header
 from locomm.peer.island.wire import (
-    LEAVING,
     NEVER_PLANNED,
     LeaderBusy,
     LeaderLost,
@@ -54,8 +52,6 @@ from locomm.peer.island.wire import (
     read_state,
     read_synced,
     read_tensors,
-    write_synced,
-    write_tensors,
 )
 from locomm.peer.transport.meter import TransferCut, Unreachable
 from locomm.peer.transport.records import SwarmKey
@@ -63,7 +59,7 @@ from locomm.peer.transport.rpc import Call, Service, open_link
 from locomm.protocol.membership import live
 from locomm.protocol.messages import ErrorCode, ProtocolViolation, envelope
 from locomm.protocol.rounds import snapshot
-from locomm.protocol.scape import ScapeMessage, ScapeSync, Synced, decode_indices, encode_indices, reduce
+from locomm.protocol.scape import ScapeMessage, ScapeSync, Synced, encode_indices
 from locomm.protocol.timing import ema
 
 log = logging.getLogger(__name__)
@@ -90,21 +86,15 @@ class Island:
         self.roster: list[str] = []
         self.leader: str | None = None
         self.dead: set[str] = set()
-        self.active: set[str] = set()
-        self.inbox: dict[int, dict[str, ScapeMessage]] = {}
-        self.results: dict[int, asyncio.Future[Synced]] = {}
-        self.arrived = asyncio.Event()
-        self.settled: dict[int, dict[str, torch.Tensor] | None] = {}
-        self.settled_event = asyncio.Event()
         self.sent: dict[int, dict[str, torch.Tensor]] = {}
-        self.planned: set[int] = set()
-        """Rounds this representative planned and has not settled yet (followers wait for those)."""
+        """theta_sent of the rounds a follower snapshotted and has not landed yet."""
         self.need_resync = False
-        self.state_wanted: list[asyncio.Future] = []
         self.step_s = 0.0
         self.stats = {"step_bytes_sent": 0, "step_bytes_received": 0, "outer_bytes": 0, "resync_bytes": 0}
         self.stats |= {"steps_synced": 0, "resyncs": 0, "failovers": 0, "dropped": 0, "outer_applied": 0}
         self.digest = ""
+        self.rep = Representative(self)
+        """The representative's side: its followers' queues and its handlers, in use while we lead."""
 
     # -- forming -------------------------------------------------------------------
 
@@ -117,7 +107,8 @@ class Island:
         return {"island": self.name, "island_rep": self.leading, "island_proof": proof}
 
     def service(self) -> Service:
-        handlers = {"island.step": self._on_step, "island.outer": self._on_outer, "island.state": self._on_state}
+        rep = self.rep
+        handlers = {"island.step": rep.on_step, "island.outer": rep.on_outer, "island.state": rep.on_state}
         return Service(SERVICE, handlers, policy="announced")
 
     def _live_members(self, beats: list) -> list[str]:
@@ -148,17 +139,17 @@ class Island:
         self.leader = self.roster[0]
         if self.key is None:
             log.warning("island %s is open: any peer that names it can join (--island-key FILE closes it)", self.name)
-        self.active = set(self.roster) - {self.host.me} if self.leading else set()
+        self.rep.active = set(self.roster) - {self.host.me} if self.leading else set()
         self.host.events.write("island", name=self.name, roster=self.roster, leader=self.leader)
         log.info("island %s: %s, representative %s", self.name, [p[-8:] for p in self.roster], self.leader[-8:])
         self.host.publish_soon()  # island_rep: the swarm's rounds count the representative at once
         if not self.leading:
             await self._resync()
 
-    def _rank(self, peer: str) -> int:
+    def rank(self, peer: str) -> int:
         return self.roster.index(peer)
 
-    def _check(self, call: Call, lead: bool = True) -> None:
+    def check(self, call: Call, lead: bool = True) -> None:
         """An island request from a member of ours (to its representative, when ``lead``)."""
         if not self.roster:
             raise ProtocolViolation(ErrorCode.NOT_READY, NOT_FORMED)
@@ -199,7 +190,7 @@ class Island:
         busy = 0
         while True:
             if self.leading:
-                await self._serve_states()  # a step boundary: the state a follower takes is consistent
+                await self.rep.serve_states()  # a step boundary: the state a follower takes is consistent
             if self.need_resync:
                 await self._resync()
                 msg = None
@@ -208,7 +199,7 @@ class Island:
             if msg is None:
                 loss, msg = await self.host.compute(self._grad_and_plan)
             try:
-                synced = await (self._lead(msg) if self.leading else self._follow(msg))
+                synced = await (self.rep.lead(msg) if self.leading else self._follow(msg))
             except MustResync as e:
                 log.info("island %s: resync (%s)", self.name, e)
                 self.need_resync = True
@@ -244,43 +235,10 @@ class Island:
             )
             return loss
 
-    def _deadline_s(self) -> float:
+    def deadline_s(self) -> float:
+        """How long the representative waits for its followers' step messages."""
         net = self.node.spec.network
         return max(net.request_timeout_s, 4.0 * self.step_s)
-
-    async def _lead(self, msg: ScapeMessage) -> Synced:
-        t = msg.step
-        self.active -= {p for p in self.active if (b := self.host.beats.get(p)) is not None and b.finished}
-        fut = self.results.setdefault(t, asyncio.get_running_loop().create_future())
-        end = time.monotonic() + self._deadline_s()
-        while not self.active <= set(self.inbox.get(t, {})) and time.monotonic() < end:
-            if self.state_wanted:  # mid-step, grads computed, nothing applied: a consistent state too
-                await self._serve_states()
-                end = max(end, time.monotonic() + self._deadline_s())  # give it time to download and step
-                continue
-            self.arrived.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.arrived.wait(), max(0.01, end - time.monotonic()))
-        got = {p: m for s_, box in list(self.inbox.items()) if s_ <= t for p, m in box.items() if s_ == t}
-        for s_ in [s_ for s_ in self.inbox if s_ <= t]:
-            del self.inbox[s_]
-        if msg.mask_shard is None:  # no moment here yet: nobody's slice can be right
-            for m in got.values():
-                m.mask_shard = None
-        want = msg.values.numel()
-        ok = {p: m for p, m in got.items() if m.values.numel() == want}
-        for p in set(got) - set(ok):
-            self.host.faults.record(p, f"island step {t}: {got[p].values.numel()} values, the mask has {want}")
-        late = self.active - set(ok)
-        if late:
-            self.stats["dropped"] += len(late)
-            log.info("island %s step %d: going on without %s", self.name, t, [p[-8:] for p in late])
-            self.active -= late
-        synced = await self.host.rpc.decode(reduce, [msg, *ok.values()])
-        fut.set_result(synced)
-        for old in [s for s in self.results if s < t - 2]:
-            del self.results[old]
-        return synced
 
     async def _request(self, mtype: str, round_idx: int, **fields: Any):  # noqa: ANN202 - a Link
         h = self.host
@@ -398,7 +356,7 @@ class Island:
             self.stats["resync_bytes"] += n
             self.stats["resyncs"] += 1
             self.need_resync = False
-            self.inbox.clear()
+            self.rep.inbox.clear()
             return
 
     def _leader_alive(self) -> bool:
@@ -419,116 +377,18 @@ class Island:
                 "island %s: representative %s lost (%s); now %s", self.name, (old or "?")[-8:], why, self.leader[-8:]
             )
         if self.leading:
-            self.active = set()  # followers come back through island.state or their next step
+            self.rep.active = set()  # followers come back through island.state or their next step
             self.sent.clear()  # the rounds we snapshotted as a follower: nobody will settle them
             self.host.publish_soon()
+
+    def planned_round(self, round_idx: int) -> None:
+        """The representative planned ``round_idx`` (``Node._train``): its followers will ask for it."""
+        self.rep.planned.add(round_idx)
+
+    def settle_done(self, round_idx: int, applied: bool) -> None:
+        """The representative settled ``round_idx`` (``Node._apply``, the compute thread): followers may fetch it."""
+        self.rep.settle_done(round_idx, applied)
 
     def summary(self) -> dict[str, Any]:
         """The island's part of the peer's exit summary."""
         return {"name": self.name, "roster": self.roster, "leader": self.leader, "leading": self.leading, **self.stats}
-
-    # -- the representative's side: a follower's step, its outer-round fetch, its state download ----------
-    # Each is answered at a point where the representative's state is consistent.
-
-    async def _on_step(self, call: Call) -> None:
-        f, remote = call.msg.fields, call.remote
-        self._check(call)
-        t, cur = f.get("step"), self.sync.step
-        old = self.results.get(t) if isinstance(t, int) and t < cur else None
-        retry = old is not None and old.done() and self._rank(remote) in old.result().senders
-        if not isinstance(t, int) or (t not in (cur, cur + 1) and not retry):
-            await call.answer(ErrorCode.STALE_ROUND, f"island step {t!r}, we are at {cur}", step=cur)
-            return
-        nv, nm = f.get("nv"), f.get("nm")
-        lo, hi = self.sync.bounds[self._rank(remote)]
-        if not (isinstance(nv, int) and 0 < nv <= self.sync.numel and isinstance(nm, int) and 0 <= nm <= hi - lo):
-            raise ProtocolViolation(ErrorCode.MALFORMED, f"island step: nv={nv!r} nm={nm!r}")
-        has_mask = f.get("has_mask") is True
-        if has_mask and nm != self.sync.slice_size(self._rank(remote)):
-            raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, f"island step: a mask slice of {nm} indices")
-        vraw = await call.link.read_part(4 * nv)
-        raw = await call.link.read_part(6 * nm)
-        if len(vraw) != 4 * nv:
-            raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, f"island step: {len(vraw)} value bytes for {nv} values")
-        values = torch.frombuffer(vraw, dtype=torch.float32)
-        if not bool(torch.isfinite(values).all()):
-            raise ProtocolViolation(ErrorCode.NOT_FINITE, "island step: values not finite")
-        try:
-            shard = decode_indices(raw, nm, self.sync.numel) if has_mask else None
-        except CodecError as e:
-            raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, f"island step: mask slice: {e}") from None
-        if shard is not None and nm and (int(shard[0]) < lo or int(shard[-1]) >= hi):
-            raise ProtocolViolation(ErrorCode.BAD_PAYLOAD, "island step: mask slice outside the sender's slice")
-        self.stats["step_bytes_received"] += 4 * nv + len(raw)
-        if retry:  # its answer of a step it took part in was lost on the way: the same buffer again
-            self.stats["step_bytes_sent"] += await write_synced(call, old.result())
-            return
-        self.active.add(remote)
-        self.inbox.setdefault(t, {})[remote] = ScapeMessage(self._rank(remote), t, values.clone(), shard)
-        self.arrived.set()
-        fut = self.results.setdefault(t, asyncio.get_running_loop().create_future())
-        await self._await_leading(fut)
-        synced = fut.result()
-        if self._rank(remote) not in synced.senders:
-            await call.answer(ErrorCode.STALE_ROUND, "the step went on without you", step=self.sync.step)
-            return
-        self.stats["step_bytes_sent"] += await write_synced(call, synced)
-
-    async def _await_leading(self, fut: asyncio.Future) -> None:
-        """Wait for ``fut`` as long as we lead and are not leaving (a slow step, an evaluation: no deadline)."""
-        while not fut.done():
-            if self.host.stop.is_set() or not self.leading:
-                raise ProtocolViolation(ErrorCode.NOT_READY, LEAVING)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(fut), 1.0)
-
-    async def _serve_states(self) -> None:
-        """Answer the queued ``island.state`` requests with one snapshot, taken now (a step boundary)."""
-        if not self.state_wanted:
-            return
-        wanted, self.state_wanted = self.state_wanted, []
-        snap = await self.host.compute(state_of, self.node, self.sync, self.sent)
-        for fut in wanted:
-            if not fut.done():
-                fut.set_result(snap)
-
-    def settle_done(self, round_idx: int, applied: bool) -> None:
-        """The representative settled ``round_idx`` (``Node._apply``, the compute thread): followers may fetch it."""
-        algo = self.node.algo
-        state = {k: v.detach().to("cpu", copy=True) for k, v in algo.state_dict().items()} if applied else None
-        self.settled[round_idx] = state
-        self.loop.call_soon_threadsafe(self.planned.discard, round_idx)
-        for old in [r for r in self.settled if r < round_idx - 1]:
-            del self.settled[old]
-        self.loop.call_soon_threadsafe(self.settled_event.set)  # we are on the compute thread
-
-    async def _on_outer(self, call: Call) -> None:
-        r = call.msg.round
-        self._check(call, lead=False)
-        end = time.monotonic() + self.node.spec.network.max_wait_s
-        while r not in self.settled and self.leading and time.monotonic() < end:
-            if r not in self.planned and self.node.round > r:
-                raise ProtocolViolation(ErrorCode.NOT_READY, NEVER_PLANNED)  # it led from a later round on
-            if self.host.stop.is_set():
-                break
-            self.settled_event.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.settled_event.wait(), max(0.01, end - time.monotonic()))
-        state = self.settled.get(r)
-        if state is None:
-            raise ProtocolViolation(ErrorCode.NOT_READY, f"round {r} is not settled here")
-        self.stats["outer_bytes"] += await write_tensors(call, state)
-
-    async def _on_state(self, call: Call) -> None:
-        self._check(call)
-        fut = asyncio.get_running_loop().create_future()
-        self.state_wanted.append(fut)
-        self.active.add(call.remote)
-        self.arrived.set()  # a representative waiting for its followers serves it at once
-        await self._await_leading(fut)
-        tensors, fields = fut.result()
-        fields = dict(fields)
-        mask = fields.pop("mask")
-        self.stats["resync_bytes"] += await write_tensors(
-            call, tensors, fields=fields, tail=encode_indices(mask) if mask is not None else b""
-        )

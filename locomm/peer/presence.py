@@ -112,7 +112,9 @@ class Presence:
     def __init__(self, host: Host, driver: Driver) -> None:
         self.host, self.driver = host, driver
         self.started = self.paused = self.left = False
-        self.pause_wanted, self.resume_wanted, self.paused_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.pause_wanted, self.resume_wanted = asyncio.Event(), asyncio.Event()
+        self.answered = asyncio.Event()
+        """Set when the last pause request has its answer: paused, or called off (``refusal`` says why)."""
         self.refusal: str | None = None
         """Why the last pause was called off after it was asked for (None: it was not)."""
 
@@ -238,10 +240,11 @@ class Presence:
                 raise ControlError("the peer is leaving")
             if not self.paused and (why := await self.driver.may_pause()) is not None:
                 raise ControlError(why)
+            self.answered.clear()
             self.resume_wanted.clear()
             self.pause_wanted.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.paused_now.wait(), PAUSE_ANSWER_S)
+                await asyncio.wait_for(self.answered.wait(), PAUSE_ANSWER_S)
             if not self.paused and self.refusal is not None:  # called off after the first check (pause step 2)
                 raise ControlError(self.refusal)
             return answer()
@@ -271,13 +274,12 @@ class Presence:
                 self.refusal = refusal
                 host.events.write("pause_refused", **d.describe(), why=refusal)
                 log.warning("pause called off: %s", refusal)
-            self.paused_now.set()  # wakes the pause request: it answers with the refusal, or that we train
-            self.paused_now.clear()
+            self.answered.set()  # the pause request answers with the refusal, or that we train
             return
         await host.compute(d.snapshot, d.round)
         self.paused, d.phase = True, "paused"
         await publish_quietly(host)
-        self.paused_now.set()
+        self.answered.set()
         host.events.write("paused", **d.describe(), round=d.round, step=d.step)
         log.info("paused at round %d (locomm-peer resume to go on)", d.round)
         t0 = time.monotonic()
@@ -286,7 +288,6 @@ class Presence:
             if await d.run_over():
                 log.info("the run ended while we were paused")
                 return  # the driver ends; we stay paused
-        self.paused_now.clear()
         self.resume_wanted.clear()
         self.pause_wanted.clear()
         if host.stop.is_set():  # leaving while paused: the final heartbeat follows

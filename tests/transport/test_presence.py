@@ -1,0 +1,161 @@
+"""The one pause/resume sequence (``peer/presence.py``) on a driver of hooks, over a host of fakes: the order of the
+steps, a pause called off at the last check, a resume retried while the DHT fails, a download retried with fresh
+donors. The swarm tests (tests/swarm/test_volunteer.py) run the same sequence on real peers of both drivers."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from locomm.peer.control import ControlError
+from locomm.peer.presence import STATE_ATTEMPTS, Presence
+from locomm.protocol.membership import Heartbeat
+
+
+class FakeHost:
+    def __init__(self) -> None:
+        self.me = "me"
+        self.stop, self.hurry = asyncio.Event(), asyncio.Event()
+        self.opts = SimpleNamespace(control=False, checkpoint_dir=None)
+        self.beats: dict[str, Heartbeat] = {}
+        self.published: list[bool] = []  # the paused mark of each heartbeat stored
+        self.events = SimpleNamespace(log=[], write=lambda kind, **f: self.events.log.append((kind, f)))
+        self.slept: list[float] = []
+        self.presence: Presence | None = None
+        self.fetches: list[list[str]] = []
+        self.fetch_answers: list[Any] = []
+
+    async def compute(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    async def publish(self) -> None:
+        assert self.presence is not None
+        self.published.append(self.presence.paused)
+
+    async def sleep(self, s: float) -> None:
+        self.slept.append(s)
+
+    async def read_beats(self) -> list[Heartbeat]:
+        return list(self.beats.values())
+
+    async def fetch_state(self, donors: list[str], expected: Any) -> Any:
+        self.fetches.append(donors)
+        return self.fetch_answers.pop(0) if self.fetch_answers else None
+
+    def refresh_soon(self) -> None:
+        pass
+
+
+class FakeDriver:
+    def __init__(self, host: FakeHost) -> None:
+        self.host, self.round, self.phase, self.calls = host, 7, "training", []
+        self.refuse_at_last_check: str | None = None
+        self.resync_failures = 0
+        self.checks = 0
+
+    @property
+    def step(self) -> int:
+        return 70
+
+    def describe(self) -> dict[str, Any]:
+        return {"stage": 1}
+
+    async def may_pause(self) -> str | None:
+        self.checks += 1
+        return self.refuse_at_last_check if self.checks > 1 else None
+
+    async def drain(self) -> None:
+        self.calls.append("drain")
+
+    def undrain(self) -> None:
+        self.calls.append("undrain")
+
+    def snapshot(self, r: int) -> None:
+        self.calls.append(f"snapshot {r}")
+
+    async def resync(self) -> None:
+        self.calls.append("resync")
+        if self.resync_failures:
+            self.resync_failures -= 1
+            raise OSError("the DHT failed us")
+        self.round = 9
+
+    async def run_over(self) -> bool:
+        return False
+
+
+def _rig() -> tuple[FakeHost, FakeDriver, Presence]:
+    host = FakeHost()
+    driver = FakeDriver(host)
+    host.presence = Presence(host, driver)  # type: ignore[arg-type]
+    return host, driver, host.presence
+
+
+async def test_pause_then_resume_runs_the_one_sequence_in_order():
+    host, driver, presence = _rig()
+    handlers = presence.controls(lambda: {"step": driver.step})
+    driver.resync_failures = 2
+    asked = asyncio.ensure_future(handlers["pause"]())
+    await asyncio.sleep(0)
+    paused = asyncio.ensure_future(presence.pause())
+    answer = await asyncio.wait_for(asked, 5)
+    assert answer["paused"] and answer["phase"] == "paused" and answer["round"] == 7 and answer["step"] == 70
+    assert host.published == [True]  # the paused heartbeat went out once the state was served
+    await handlers["resume"]()
+    await asyncio.wait_for(paused, 5)
+    assert driver.calls == ["drain", "snapshot 7", "resync", "resync", "resync", "snapshot 9", "undrain"]
+    assert host.slept == [5.0, 5.0]  # a failed re-entry is retried, still paused
+    assert host.published == [True, False] and not presence.paused and driver.phase == "training"
+    kinds = [k for k, _ in host.events.log]
+    assert kinds == ["paused", "resumed"]
+    assert host.events.log[1][1]["paused_at"] == 7 and host.events.log[1][1]["stage"] == 1
+
+
+async def test_a_pause_refused_at_the_last_check_is_called_off_unpublished():
+    host, driver, presence = _rig()
+    handlers = presence.controls(dict)
+    driver.refuse_at_last_check = "the last replica"
+    asked = asyncio.ensure_future(handlers["pause"]())
+    await asyncio.sleep(0)
+    await presence.pause()
+    with pytest.raises(ControlError, match="the last replica"):
+        await asyncio.wait_for(asked, 5)
+    assert driver.calls == ["drain", "undrain"] and host.published == [] and not presence.paused
+    assert [k for k, _ in host.events.log] == ["pause_refused"]
+
+
+async def test_leaving_refuses_a_pause():
+    host, _, presence = _rig()
+    presence.left = True
+    with pytest.raises(ControlError, match="leaving"):
+        await presence.controls(dict)["pause"]()
+
+
+async def test_a_download_asks_fresh_donors_each_attempt_then_gives_up():
+    host, _, presence = _rig()
+    reads = iter(range(100))
+
+    def donors(beats: list[Heartbeat]) -> list[str]:
+        return [f"d{next(reads)}"]
+
+    got = await presence.download(donors, {}, lambda t: None)
+    assert got is None
+    assert host.fetches == [[f"d{i}"] for i in range(STATE_ATTEMPTS)]
+    assert host.slept == [2.0, 4.0, 8.0, 8.0]
+    assert host.events.log == [("sync_failed", {"donors": 1})]
+
+
+async def test_a_download_that_succeeds_loads_what_it_got():
+    host, _, presence = _rig()
+    loaded = []
+    synced = SimpleNamespace(round=3, tensors={"w": 1}, rule="majority", faulted=[], donors=["a", "b"])
+    host.fetch_answers = [None, synced]
+    got = await presence.download(lambda beats: ["a", "b"], {}, loaded.append, stage=2)
+    assert got is synced and loaded == [{"w": 1}] and len(host.fetches) == 2
+    assert host.events.log[-1] == (
+        "synced",
+        {"donors": 2, "donor_round": 3, "tensors": 1, "rule": "majority", "faulted": 0, "stage": 2},
+    )

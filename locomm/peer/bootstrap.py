@@ -32,6 +32,7 @@ from hivemind.p2p import P2P
 from locomm.atomic import atomic_write_text
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.options import NodeOptions
+from locomm.peer.transport import leftovers
 from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, SwarmValidator, load_identity
 from locomm.peer.transport.swarm import publish_spec
 
@@ -59,9 +60,11 @@ async def run_bootstrap(
     elif identity.exists():
         load_identity(identity)
     initial = list(opts.initial_peers) or None
-    p2p = dht = None
+    p2p = dht = rec = None
     try:
+        leftovers.sweep()
         p2p = await P2P.create(initial_peers=initial, identity_path=str(identity), **opts.p2p_kwargs(initial or ()))
+        rec = leftovers.record(p2p)
         me = p2p.peer_id.to_base58()
         validator = SwarmValidator(load_identity(identity), swarm_key=key)
         if validator.peer_id != me:
@@ -91,5 +94,7 @@ async def run_bootstrap(
             if svc is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(svc.shutdown(), 10)
+        if p2p is not None:
+            leftovers.forget(rec, p2p)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

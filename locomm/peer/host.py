@@ -45,6 +45,7 @@ from locomm.config import ConfigError, RunSpec
 from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.options import NodeOptions
 from locomm.peer.spec_sync import settle_spec
+from locomm.peer.transport import leftovers
 from locomm.peer.transport.gossip import Faults, Gossip
 from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, SwarmValidator, heartbeat_ttl, load_identity
 from locomm.peer.transport.rpc import RpcServer, Service
@@ -86,6 +87,7 @@ class Host:
         self._newest: dict[str, Heartbeat] = {}
         self._spec_stored = -math.inf
         self._id_dir: Path | None = None
+        self._p2pd_record: Path | None = None
         self.swarm_key: SwarmKey | None = None
         """This swarm's key (``opts.swarm_key`` read), or None in an open swarm."""
         self.identity: Path
@@ -116,6 +118,7 @@ class Host:
             self.swarm_key = SwarmKey.load(self.opts.swarm_key) if self.opts.swarm_key else None
             self.identity = self._identity_path()
             known = not initial or self.opts.spec_from_user  # this run's keys are guarded from the start
+            await asyncio.to_thread(leftovers.sweep)  # sockets of killed peers' p2pd (their records only)
             await self._connect(initial, known)
             if self._id_dir is not None:  # a throwaway key, now in p2pd and the validator: no file outlives a kill
                 shutil.rmtree(self._id_dir, ignore_errors=True)
@@ -156,6 +159,7 @@ class Host:
                     identity_path=str(self.identity),
                     **self.opts.p2p_kwargs(initial or ()),  # addresses, relays, auto-relay, reachability
                 )
+                self._p2pd_record = leftovers.record(self.p2p)  # removed on exit, or by the next start after a kill
                 self.me = self.p2p.peer_id.to_base58()
                 self.validator = SwarmValidator(load_identity(self.identity), swarm_key=self.swarm_key)
                 if self.validator.peer_id != self.me:
@@ -174,6 +178,7 @@ class Host:
                     raise
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.p2p.shutdown(), 10)
+                leftovers.forget(self._p2pd_record, self.p2p)
                 if attempt + 1 == BOOT_ATTEMPTS or self.stop.is_set():
                     raise ConfigError(f"cannot reach the swarm through --initial-peers: {type(e).__name__}: {e}") from e
                 log.warning("reaching the swarm failed (%s: %s); again in %d s", type(e).__name__, e, 2 << attempt)
@@ -207,6 +212,8 @@ class Host:
             if svc is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(svc.shutdown(), 10)
+        if getattr(self, "p2p", None) is not None:
+            leftovers.forget(self._p2pd_record, self.p2p)
         self.pool.shutdown(wait=True)
         self.codec_pool.shutdown(wait=False, cancel_futures=True)
         self.events.close()

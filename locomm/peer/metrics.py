@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
 from typing import IO, Any
 
 from locomm.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class Metrics:
@@ -61,11 +64,15 @@ class Metrics:
 
 
 class EventLog:
-    """Appends one JSON object per line (flushed, so a watcher sees it at once)."""
+    """Appends one JSON object per line (flushed, so a watcher sees it at once).
+
+    A write that fails (``ENOSPC``: the disk is full) drops that event and is logged once per run of
+    failures; the peer trains on, and the log resumes when space comes back (``dropped`` counts the lost)."""
 
     def __init__(self, path: Path | None) -> None:
         self._f: IO[str] | None = None
         self._lock = threading.Lock()
+        self.dropped = 0
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -73,11 +80,24 @@ class EventLog:
     def write(self, event: str, **fields: Any) -> None:
         if self._f is None:
             return
+        line = json.dumps({"event": event, "time": time.time(), **fields}, default=float) + "\n"
         with self._lock:
-            self._f.write(json.dumps({"event": event, "time": time.time(), **fields}, default=float) + "\n")
-            self._f.flush()
+            try:
+                self._f.write(line)
+                self._f.flush()
+            except OSError as e:  # a full disk is a fault of the machine, not a reason to die
+                if not self.dropped:
+                    log.error("cannot write the event log (%s); events are dropped until it can", e)
+                self.dropped += 1
+                return
+            if self.dropped:
+                log.warning("the event log is written again (%d events were dropped)", self.dropped)
+                self.dropped = 0
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError as e:  # what a full disk kept in the buffer is lost, the peer still exits cleanly
+                log.error("closing the event log: %s", e)
             self._f = None

@@ -41,7 +41,7 @@ from locomm.peer.control import ControlError, ControlServer, Handler, control_pa
 from locomm.peer.host import Host
 from locomm.peer.transport.gossip import Gossip
 from locomm.peer.transport.state_sync import StateMismatch, Synced
-from locomm.protocol.membership import STATE_RETRY_S, Heartbeat
+from locomm.protocol.membership import STATE_RETRY_S, Heartbeat, sends_nothing_more
 
 __all__ = [
     "JOIN_MARGIN_ROUNDS",
@@ -127,6 +127,8 @@ class Presence:
         for k in ("loss", "val_loss"):
             if k in fields:
                 fields[k] = finite(fields[k])
+        if self.left:  # the goodbye: it serves nothing any more
+            fields["serves"] = ()
         return Heartbeat(
             peer=h.me,
             started=self.started,
@@ -206,14 +208,21 @@ class Presence:
         return got
 
     def partner_gone(self, peer: str, round_idx: int) -> bool:
-        """``Gossip.gone``: whether ``peer`` left or was paused before ``round_idx`` (its final or paused
-        heartbeat, as last read). While we wait on a partner, the heartbeats are read again about once a second,
-        so a goodbye is seen soon."""
+        """``Gossip.gone``: whether ``peer`` left or was paused and will not send ``round_idx``'s payload: it left
+        before that round, or its final or paused heartbeat does not list the round in ``serves`` (what it had
+        sent has come; what it still serves we pull). While we wait on a partner, the heartbeats are read again
+        about once a second, so a goodbye is seen soon."""
         b = self.host.beats.get(peer)
-        if b is not None and (b.finished or b.paused) and b.round <= round_idx:
+        if b is not None and sends_nothing_more(b, round_idx):
             return True
         self.host.refresh_soon()
         return False
+
+    def partner_serves(self, peer: str, round_idx: int) -> bool:
+        """``Gossip.serves``: whether ``peer``'s heartbeat says it serves ``round_idx``'s payload to pullers (a
+        push of it failed, or it is leaving): the exchange pulls it now rather than at its ETA."""
+        b = self.host.beats.get(peer)
+        return b is not None and round_idx in b.serves
 
     # -- pausing ---------------------------------------------------------------------------
 
@@ -332,6 +341,10 @@ class Presence:
             return b is not None and not b.finished and b.round <= last + 1 and host.dht_now() - b.time < ttl
 
         waiting: set[str] = set()
+        gossip.leaving = True  # our heartbeat lists what we still serve: partners pull it now
+        await publish_quietly(host)
+        out = gossip.outgoing.get(last)
+        end = math.inf if out is None else out.serve_until  # in the gossip's clock: never served past it
         while not host.hurry.is_set():
             waiting = {p for p in gossip.undelivered(last) if not self.partner_gone(p, last + 1)}
             waiting -= gossip.banned
@@ -340,6 +353,7 @@ class Presence:
                 over = waited > min(handover_s, STOP_HANDOVER_S)
             else:
                 over = waited > max_s or (waited > handover_s and not any(coming(p) for p in waiting))
+            over = over or gossip.clock() > end
             if not waiting or over:
                 break
             d.phase = "handing over"

@@ -40,6 +40,8 @@ JOIN_CAP_FRACTION = 0.25
 """... and at most this fraction of the members admitted before it, when that is more."""
 MAX_ADDRS = 16
 MAX_ADDR_LEN = 256
+MAX_SERVED_ROUNDS = 4
+"""Rounds a heartbeat's ``serves`` may list (a sender keeps the payloads of its last two rounds)."""
 MAX_VERSION_LEN = 64
 MAX_ISLAND_LEN = 64
 
@@ -89,6 +91,12 @@ def _addrs(v: Any) -> tuple[str, ...]:
     return tuple(_str(m, MAX_ADDR_LEN) for m in v)
 
 
+def _rounds(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list | tuple) or len(v) > MAX_SERVED_ROUNDS:
+        raise BadField(f"not a list of at most {MAX_SERVED_ROUNDS} rounds")
+    return tuple(_int(r) for r in v)
+
+
 def _stage(v: Any) -> int | None:
     return None if v is None or v == -1 else _int(v, 0, 1024)
 
@@ -104,6 +112,7 @@ _PARSE = {
     "started": _bool,
     "finished": _bool,
     "paused": _bool,
+    "serves": _rounds,
     "eta_s": lambda v: None if v is None else _nonneg(v),
     "loss": _opt_float,
     "val_loss": _opt_float,
@@ -151,6 +160,9 @@ class Heartbeat:
     paused: bool = False
     """Its volunteer paused it (``locomm-peer pause``): it serves its state but trains no round from ``round``
     on, so nobody waits for it; on resume it announces a new ``join_round``, as a joiner does."""
+    serves: tuple[int, ...] = ()
+    """Rounds whose payload it serves to partners that pull it (a push of it failed, or it is leaving): a
+    partner waiting on one of them pulls it now, and does not take its leaving as "nothing will come"."""
     eta_s: float | None = None
     """Seconds until this peer expects to finish its current round's inner steps (None: not training)."""
     loss: float | None = None
@@ -207,7 +219,7 @@ class Heartbeat:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for k in ("peer", "expires", "extra"):
             del out[k]
-        out["maddrs"], out["avg_maddrs"] = list(self.maddrs), list(self.avg_maddrs)
+        out["maddrs"], out["avg_maddrs"], out["serves"] = list(self.maddrs), list(self.avg_maddrs), list(self.serves)
         out["stage"] = -1 if self.stage is None else self.stage
         return out
 
@@ -243,6 +255,13 @@ def admission_rounds(beats: Iterable[Heartbeat]) -> dict[str, int]:
         bisect.insort(assigned, r)
         out[b.peer] = r
     return out
+
+
+def sends_nothing_more(b: Heartbeat, round_idx: int) -> bool:
+    """Whether a partner's heartbeat says nothing more of its payload of ``round_idx`` will come: it left or
+    paused, and does not list the round in ``serves`` (what it had sent has come or is moving; what it still
+    serves is pulled)."""
+    return (b.finished or b.paused) and round_idx not in b.serves
 
 
 def members_for_round(

@@ -21,8 +21,12 @@ Notable:
       eta    = arrive + stall_timeout_s + round_s / 4     (slack: a stall, compute jitter)
   and ``now`` (no wait) once its round is ``PASSED_ROUNDS`` past r: it has applied r
   and dropped that payload.
-  A worker waits for it until ``min(start + max_wait_s, eta)`` (``wait_deadline``), and
-  for as long as its transfer is moving.
+  A worker pulls it once that time has passed with nothing arriving (``wait_deadline``).
+- ``give_up_at``: the round deadline. Nobody waits past it for a partner's payload, moving
+  or not: ``min(start + max_wait_s, eta + deadline_s(wire_bytes))``. ``serve_until``: a
+  sender serves a round's payload to pullers until ``start + max_wait_s``, no longer.
+- ``PartnerWait``: the push/pull decision of one receiver for one partner and round (pull at
+  once when a push broke or the partner asks to be pulled; give up at the round deadline).
 - ``ema``: the heartbeat's round time and upload rate are ``0.7 * old + 0.3 * new``
   (the first sample taken as is).
 """
@@ -160,3 +164,70 @@ def sibling_wait_s(round_s: float, limits: Limits) -> float:
     """How long a pipeline stage replica waits for its siblings' replica-sync payloads: they step at nearly
     its own rate, so a payload is due within about two rounds and a stall timeout."""
     return min(limits.max_wait_s, limits.stall_timeout_s + 2 * round_s)
+
+
+def give_up_at(start: float, eta: float, wire_bytes: float, limits: Limits) -> float:
+    """The round deadline for one partner's payload: a receiver that began waiting at ``start`` never waits past
+    it, whatever is still moving.
+
+    By its ETA the partner's payload should be here, or at least on its way; a transfer on its way at no less
+    than the floor rate ends within ``limits.deadline_s(wire_bytes)`` (the deadline a link cuts it at). Never
+    past ``start + max_wait_s``."""
+    return min(start + limits.max_wait_s, eta + limits.deadline_s(wire_bytes))
+
+
+def serve_until(start: float, limits: Limits) -> float:
+    """Until when a sender that began its exchange at ``start`` serves that round's payload to partners that
+    pull it: no receiver waits past ``max_wait_s`` after its own start, and a receiver whose pull finds the
+    payload no longer served (``STALE_ROUND``) gives up on it at once."""
+    return start + limits.max_wait_s
+
+
+PULL_RETRY_S = 3.0
+"""A failed pull is tried again after this long (the partner may still be encoding, or busy)."""
+
+
+@dataclass
+class PartnerWait:
+    """A receiver's wait for one partner's payload of one round: when to pull it, when to give up.
+
+    Every wait has an owner and an end. The receiver pulls as soon as it knows a push will not bring the
+    payload (the partner's push broke, cut or reset, with nothing of it moving; or the partner asked to be
+    pulled, in its push's answer or in its heartbeat's ``serves``), trying again every ``PULL_RETRY_S`` until
+    the partner's ETA. Once the ETA has passed with nothing moving: one pull, and if that fails the round goes
+    on without it (a dead partner costs its ETA, not a deadline). It stops waiting when
+    the partner refused our push (it will not send either), when it left without serving this round, when its
+    pull is answered "no longer served", and at ``give_up`` (:func:`give_up_at`) in any case, transfers moving
+    or not.
+    """
+
+    due: float
+    """The partner's ETA: pull if nothing has come by then."""
+    give_up: float
+    """The round deadline (never waited past)."""
+    broken: bool = False
+    """A push from it broke (cut, reset) and none of its streams is moving now."""
+    hinted: bool = False
+    """It asks to be pulled (a push answer, or its heartbeat lists the round in ``serves``)."""
+    ended: str = ""
+    """Why nothing will come ("refused", "gone", "not served"), '' while something may."""
+    last_pull: float = -math.inf
+    pulling: bool = False
+
+    def decide(self, now: float, *, moving: bool) -> str:
+        """What to do now: "wait", "pull", "drop" (nothing will come: stop without a deadline) or "give up"."""
+        if self.ended:
+            return "drop"
+        if now >= self.give_up:
+            return "give up"
+        if moving or self.pulling:
+            return "wait"
+        if now >= self.due:  # overdue with nothing moving: one pull, and if that fails, the round goes on
+            return "give up" if self.last_pull >= self.due else "pull"
+        wanted = self.broken or self.hinted
+        return "pull" if wanted and now - self.last_pull >= PULL_RETRY_S else "wait"
+
+    def next_change(self, now: float) -> float:
+        """The next instant ``decide`` may answer differently with no event in between."""
+        times = [self.give_up, self.last_pull + PULL_RETRY_S if self.last_pull > -math.inf else self.due, self.due]
+        return min([t for t in times if t > now], default=self.give_up)

@@ -272,7 +272,7 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
 
             assert await announce()
             beats = asyncio.create_task(keep_announcing())
-            pull = frame({**base, "type": "pull"})
+            pull = frame({**base, "type": "pull", "round": 1000})  # a round it has no payload of (yet)
             for _ in range(60):  # until the target's view of the DHT holds our heartbeat: then NOT_READY
                 codes["pull"] = await send(pull)
                 if codes["pull"] != ErrorCode.UNAUTHORIZED:

@@ -26,6 +26,7 @@ import torch
 from locomm import PROTOCOL_VERSION
 from locomm.compression.payload import MIN_PART_ELEMS, PayloadCodec
 from locomm.peer.transport.gossip import Faults, Gossip
+from locomm.peer.transport.meter import LinkLoad
 from locomm.peer.transport.rpc import Limits, Link, Meter, RpcServer, Service, TransferCut
 from locomm.protocol.messages import (
     FAULT_CODES,
@@ -616,9 +617,9 @@ async def _feed(reader: asyncio.StreamReader, chunk: bytes, every_s: float, coun
     return last
 
 
-def _link(limits: Limits, writer: FakeWriter | None = None) -> tuple[asyncio.StreamReader, Link]:
+def _link(limits: Limits, writer: FakeWriter | None = None, loads=None) -> tuple[asyncio.StreamReader, Link]:
     reader = asyncio.StreamReader()
-    return reader, Link(reader, writer or FakeWriter(), limits, Meter("peer", "recv"), clock=now)
+    return reader, Link(reader, writer or FakeWriter(), limits, Meter("peer", "recv"), clock=now, loads=loads)
 
 
 def test_slow_but_moving_transfer_is_not_cut():
@@ -677,6 +678,40 @@ def test_trickle_below_the_floor_is_cut_after_one_window():
         feeder.cancel()
         assert dt == limits.rate_window_s  # one window of waiting, long before the stall timeout
         assert link.meter.done == 90  # the chunks at 0, 1/16, ..., 8/16 s
+
+    run(body())
+
+
+def test_a_slow_stream_on_a_busy_link_is_not_cut_and_a_lone_trickle_still_is():
+    """The floor judges a peer, not congestion: while our link moves at least the floor in total (and half the
+    most it was seen to move), a stream below the floor shares it and is not cut; once the link is idle but
+    for the trickle, the trickle is cut within a window. A trickle on a link that never carried more is cut as
+    before (a lone trickle moves less than the floor, so it never makes the link busy)."""
+    limits = Limits(request_timeout_s=100.0, stall_timeout_s=5.0, min_rate_Bps=100e3, rate_window_s=0.5)
+
+    async def body():
+        loads = {d: LinkLoad(limits.rate_window_s) for d in ("send", "recv")}
+        fast_reader, fast = _link(limits, loads=loads)
+        slow_reader, slow = _link(limits, loads=loads)
+        fast_feed = asyncio.create_task(_feed(fast_reader, b"y" * 25_000, 1 / 16, 160))  # 400 kB/s for 10 s
+        slow_feed = asyncio.create_task(_feed(slow_reader, b"x" * 10, 1 / 16, 4000))  # 160 B/s
+        fast_read = asyncio.create_task(fast.read_exact(25_000 * 160))
+        t0 = now()
+        with pytest.raises(TransferCut, match="below the floor"):
+            await asyncio.wait_for(slow.read_exact(1_000_000), 60)
+        cut = now() - t0
+        await fast_read  # the busy stream itself completed
+        fast_feed.cancel()
+        slow_feed.cancel()
+        assert 10.0 < cut <= 10.0 + 2 * limits.rate_window_s  # not while the link was busy; soon after it was not
+
+        lone_reader, lone = _link(limits, loads={d: LinkLoad(limits.rate_window_s) for d in ("send", "recv")})
+        feeder = asyncio.create_task(_feed(lone_reader, b"x" * 10, 1 / 16, 400))
+        t0 = now()
+        with pytest.raises(TransferCut, match="below the floor"):
+            await asyncio.wait_for(lone.read_exact(1_000_000), 10)
+        feeder.cancel()
+        assert now() - t0 == limits.rate_window_s
 
     run(body())
 

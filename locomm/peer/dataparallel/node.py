@@ -138,8 +138,15 @@ class Node:
         return True
 
     def _checkpoint(self) -> None:
-        if self.opts.checkpoint_dir is not None:
+        """Write the checkpoint; one that cannot be written (a full disk) is a fault of the machine: logged and
+        reported, the last good checkpoint stays, training goes on."""
+        if self.opts.checkpoint_dir is None:
+            return
+        try:
             self.trainer.save(self.opts.checkpoint_dir, aux=self.algo.state_dict(), extra={"round": self.round})
+        except OSError as e:
+            log.error("could not write the checkpoint in %s (%s); the last one stays", self.opts.checkpoint_dir, e)
+            self.host.events.write("checkpoint_failed", round=self.round, errno=e.errno, error=str(e))
 
     def _snapshot(self, round_idx: int) -> None:
         # A joiner downloads the last outer point (phi) and the outer state.
@@ -156,6 +163,7 @@ class Node:
         return self.presence.beat(
             **{k: c[k] for k in ("round", "step", "loss", "val_loss", "tokens_per_s", "bytes_sent")},
             join_round=self.join_round,
+            serves=tuple(self.gossip.serving()),
             eta_s=self._eta_s(),
             last_exchange=g.last_exchange,
             avg_maddrs=tuple(self.averager.maddrs()) if self.averager is not None else (),
@@ -315,6 +323,8 @@ class Node:
         self.roster = Partners(host, self.spec, self.codec.raw_bytes())
         self.gossip.admit = self.roster.admit  # only a round's partners may push to us
         self.gossip.gone = self.presence.partner_gone  # a partner that left: no waiting
+        self.gossip.serves = self.presence.partner_serves  # a partner whose push failed: pull it now
+        self.gossip.on_serving = self.host.publish_soon  # ours failed: say so, partners pull it
         self.state_server = StateServer(host.run_id)
         warm = asyncio.get_running_loop().run_in_executor(host.codec_pool, self.codec.warm_up)
         await host.serve(self.gossip.service(), self.state_server.service())

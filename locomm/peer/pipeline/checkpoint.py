@@ -192,4 +192,7 @@ class StageCheckpoints:
         ckpt = await compute(self.capture, clock)
         self._writing = asyncio.get_running_loop().run_in_executor(None, save_checkpoint, self.path, ckpt)
         if final:
-            await self._writing
+            try:
+                await self._writing
+            except OSError as e:  # a full disk: the last good checkpoint stays, the replica still leaves cleanly
+                log.error("writing the checkpoint %s failed: %s", self.path, e)

@@ -12,11 +12,17 @@ for theirs; the round goes on with whoever answered. No global barrier.
 - **Deadlines by bytes** (``rpc.Limits``): a stalled or trickling stream is cut off and answered ``TIMEOUT``;
   that is slowness, never a fault. Every "now" here (ETAs, stalls, links, rates) is ``clock()``, the RPC
   server's unless given.
-- **Waiting by ETA.** A worker waits for a partner's payload until the ETA the partner's heartbeat implies (its
-  round time and upload rate), longer while a transfer from it is still moving, and at most ``max_wait_s``.
+- **Every wait has an owner and an end** (``protocol/timing.PartnerWait``, sans-IO). A receiver pulls a
+  partner's payload as soon as it knows no push will bring it: the partner's push broke (cut, reset) with
+  nothing of it moving, or the partner asks to be pulled (its push's answer, or ``serves(peer, round)``: its
+  heartbeat says the payload is ready for that round), and otherwise once the partner's ETA (its heartbeat's
+  round time and upload rate) has passed with nothing arriving. It gives up at the round deadline
+  (``timing.give_up_at``), transfers moving or not, and at once when the partner refused our push, left
+  without serving the round, or answers a pull with ``STALE_ROUND`` (no longer served).
 - **Pull.** A peer that cannot be dialled (behind NAT) still pushes out; its partners answer its push with
   ``pull=True`` when they could not reach it, and it then pulls their payload on a stream it opens itself. A
-  worker also pulls a partner's payload once its ETA has passed with nothing arriving.
+  sender whose push was cut or refused serves the payload to pullers (``serving()``, for its heartbeat's
+  ``serves``; ``on_serving`` is called when that changes) until ``timing.serve_until``, never longer.
 - **Admission and memory.** ``admit(peer, round)``, when given, is asked before a push is read: a sender it
   refuses (not one of the round's partners) is answered ``UNAUTHORIZED``, a refusal, not a fault. At most
   ``max_payloads`` pushed payloads are being received at once (``partners + 2`` once :meth:`Gossip.exchange`
@@ -58,7 +64,7 @@ from locomm.protocol.messages import (
     validate_transfer,
 )
 from locomm.protocol.rounds import RECEIVE_WINDOW  # payload buffers only for rounds this close to ours
-from locomm.protocol.timing import ema
+from locomm.protocol.timing import PartnerWait, ema, give_up_at, serve_until
 
 __all__ = ["Faults", "Gossip", "GossipStats", "Incoming", "Outgoing"]
 
@@ -69,7 +75,6 @@ ROUND_WINDOW = 4
 MAX_SENDERS_PER_ROUND = 64
 SPARE_PAYLOADS = 2
 """Payload buffers beyond the round's partners (a partner a round ahead, a retry overlapping its old stream)."""
-PULL_RETRY_S = 3.0
 PUSH_ATTEMPTS = 3
 
 
@@ -120,6 +125,14 @@ class Gossip:
         self.admit = admit
         """(sender, round) -> may it push to us (the node's: one of that round's partners)."""
         self.gone: Callable[[str, int], bool] | None = None  # see "Leaving" above
+        self.serves: Callable[[str, int], bool] | None = None
+        """(partner, round) -> its heartbeat says it serves that round's payload to pullers (pull it now)."""
+        self.on_serving: Callable[[], None] | None = None
+        """Called when :meth:`serving` gains a round (the node publishes its heartbeat soon)."""
+        self.leaving = False
+        """Set by a leaving peer: :meth:`serving` lists every round some partner has not taken yet."""
+        self.broken: dict[tuple[str, int], float] = {}
+        """(sender, round) -> when a push of it broke (cut, reset) before the payload was complete."""
         self.fixed_max_payloads = max_payloads
         self.partners = 1
         """Partners of the last round we exchanged in (sizes the payload budget unless it is fixed)."""
@@ -152,7 +165,9 @@ class Gossip:
         key = (remote, round_idx)
         inc = self.incoming.get(key)
         if inc is not None and inc.xfer != t.xfer:
-            if self.clock() - inc.last_progress < self.limits.stall_timeout_s:
+            if pulled and not inc.pulled and not inc.active:
+                inc = None  # the rest of a broken push comes whole by our pull
+            elif self.clock() - inc.last_progress < self.limits.stall_timeout_s:
                 raise ProtocolViolation(ErrorCode.NOT_READY, "another transfer of this payload is under way")
             inc = None  # an abandoned transfer: start over
         if inc is None:
@@ -173,6 +188,7 @@ class Gossip:
         inc = self._open_incoming(remote, round_idx, t, pulled)
         link.expect(t.max_bytes(self.codec), t.streams)
         pending: list[tuple[Part, asyncio.Future]] = []
+        inc.active += 1
         try:
             for part in t.parts:
                 data = await link.read_part(self.codec.max_part_bytes(part))
@@ -200,7 +216,11 @@ class Gossip:
                 inc.claimed -= set(t.parts) - inc.done  # another stream (or a pull) may bring them
                 if not inc.claimed:
                     del self.incoming[key]  # nothing of it survives: the next transfer starts clean
+            if not pulled:  # the receiver's wait pulls it once none of the push's streams is moving
+                self.broken[key] = self.clock()
             raise
+        finally:
+            inc.active -= 1
         if not inc.complete:
             return False
         self.incoming.pop(key, None)
@@ -229,9 +249,14 @@ class Gossip:
         await call.answer(ErrorCode.OK, pull=call.remote in self.unreachable.get(call.msg.round, ()))
 
     async def _on_pull(self, call: Call) -> None:
-        out = self.outgoing.get(call.msg.round)
+        r = call.msg.round
+        out = self.outgoing.get(r)
+        if out is not None and call.remote in out.peers and self.clock() > out.serve_until:
+            raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {r}'s payload is no longer served")
+        if out is None and r < self.current_round - 1:
+            raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {r}'s payload is no longer served")
         if out is None or call.remote not in out.peers:
-            raise ProtocolViolation(ErrorCode.NOT_READY, f"no payload of round {call.msg.round} for you")
+            raise ProtocolViolation(ErrorCode.NOT_READY, f"no payload of round {r} for you")
         await call.answer(ErrorCode.OK, **transfer_fields(out.xfer ^ 1, 0, 1, out.enc, out.parts))
         call.link.meter.direction = "send"
         call.link.expect(sum(self.codec.max_part_bytes(p) for p in out.parts))
@@ -275,6 +300,10 @@ class Gossip:
                 self.unreachable[out.round].add(peer)
             why = outcome if isinstance(outcome, str) else outcome.name
             log.info("push to %s for round %d: %s", peer[-8:], out.round, why)
+            if peer not in out.delivered:  # it may pull it: say so in our heartbeat
+                out.failed.add(peer)
+                if self.on_serving is not None:
+                    self.on_serving()
         return outcome
 
     async def _push_once(self, peer: str, out: Outgoing, which: list[int]) -> tuple[ErrorCode | str, set[int]]:
@@ -285,7 +314,9 @@ class Gossip:
         by_lane: dict[int, list[int]] = {}  # bytes each stream put on the wire
 
         async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool, bool]:
-            link = await open_link(self.p2p, peer, self.handler, self.limits, "send", n, clock=self.clock)
+            link = await open_link(
+                self.p2p, peer, self.handler, self.limits, "send", n, clock=self.clock, loads=self.server.loads
+            )
             self.server.meters.append(link.meter)
             sent_here = by_lane[k] = [0]
             try:
@@ -330,10 +361,13 @@ class Gossip:
             self.stats.up_Bps = ema(self.stats.up_Bps, rate)
         return outcome, delivered
 
-    async def pull(self, peer: str, round_idx: int) -> bool:
-        """Fetch a partner's payload of ``round_idx`` over a stream we open; True when it arrived."""
+    async def pull(self, peer: str, round_idx: int) -> bool | None:
+        """Fetch a partner's payload of ``round_idx`` over a stream we open: True when it arrived, None when the
+        partner no longer serves it (``STALE_ROUND``: nothing will come), False when this try failed."""
         try:
-            link = await open_link(self.p2p, peer, self.handler, self.limits, "recv", clock=self.clock)
+            link = await open_link(
+                self.p2p, peer, self.handler, self.limits, "recv", clock=self.clock, loads=self.server.loads
+            )
         except Unreachable:
             return False
         self.server.meters.append(link.meter)
@@ -341,7 +375,7 @@ class Gossip:
             await link.write_header(pull_header(self.run_id, round_idx, self.me))
             code, resp = await link.read_answer()
             if code != ErrorCode.OK:
-                return False
+                return None if code == ErrorCode.STALE_ROUND else False
             t = validate_transfer(resp, self.codec, self.max_body_bytes)
             self.stats.pulls += 1
             return await self._receive(peer, round_idx, t, link, pulled=True)
@@ -371,58 +405,54 @@ class Gossip:
         if not peers:
             return {}
         out = self.outgoing[round_idx] = Outgoing(round_idx, payload, self.codec, self.server, peers)
-        pushes = {p: asyncio.create_task(self.push(p, out)) for p in peers}
-        waiting = set(peers)
         start = self.clock()
-        deadline = {
-            p: min(start + self.max_wait_s, eta(p) if eta else start + self.limits.request_timeout_s) for p in peers
-        }
+        out.serve_until = serve_until(start, self.limits)
+        pushes = {p: asyncio.create_task(self.push(p, out)) for p in peers}
+        wire = sum(self.codec.max_part_bytes(part) for part in out.parts)  # a partner's payload is as large
+        waits: dict[str, PartnerWait] = {}
+        for p in peers:
+            due = min(eta(p) if eta else start + self.limits.request_timeout_s, start + self.max_wait_s)
+            waits[p] = PartnerWait(due, min(give_up_at(start, due, wire, self.limits), start + self.max_wait_s))
         pulls: dict[str, asyncio.Task] = {}
-        last_pull: dict[str, float] = {}
+        missing: set[str] = set(peers)
         try:
             while True:
                 have = self.mailbox.get(round_idx, {})
-                for p, task in pushes.items():
-                    if task.done() and not task.cancelled() and task.exception() is None and task.result() in _REFUSALS:
-                        waiting.discard(p)  # it refused us: it will not send either
-                missing = {p for p in waiting if p not in have}
+                missing = {p for p in missing if p not in have}
+                now = self.clock()
+                for p in list(missing):
+                    w = waits[p]
+                    moving = self._observe(w, p, round_idx, pushes[p], pulls.get(p), now)
+                    what = w.decide(now, moving=moving)
+                    if what == "pull":
+                        w.last_pull, w.pulling = now, True
+                        pulls[p] = asyncio.create_task(self.pull(p, round_idx))
+                    elif what == "drop":
+                        missing.discard(p)
+                    elif what == "give up":  # the round deadline: whatever is moving, no longer
+                        missing.discard(p)
+                        if p in pulls:
+                            pulls[p].cancel()
+                        self.stats.gave_up += 1
+                        self.stats.gave_up_on.append((round_idx, p))
                 if not missing:
                     break
-                now = self.clock()
-                moving = {
-                    p
-                    for p in missing
-                    if (inc := self.incoming.get((p, round_idx))) is not None
-                    and now - inc.last_progress < self.limits.stall_timeout_s
-                }
-                if self.gone is not None and (left := {p for p in missing - moving if self.gone(p, round_idx)}):
-                    waiting -= left  # it left before this round: nothing is coming, skip it without a timeout
-                    self.stats.gone_skipped += len(left)
-                    continue
-                for p in missing - moving:  # hinted, or overdue with nothing arriving: fetch it ourselves
-                    if (
-                        (p in self.pull_hints.get(round_idx, ()) or now > deadline[p])
-                        and (p not in pulls or pulls[p].done())
-                        and now - last_pull.get(p, -1e9) > PULL_RETRY_S
-                        and now < start + self.max_wait_s
-                    ):
-                        last_pull[p] = now
-                        pulls[p] = asyncio.create_task(self.pull(p, round_idx))
-                busy = any(not t.done() for t in pulls.values())
-                alive = [p for p in missing if now <= deadline[p] or p in moving]
-                if not alive and not busy:
-                    self.stats.gave_up += len(missing)
-                    self.stats.gave_up_on += [(round_idx, p) for p in sorted(missing)]
-                    break
+                wake = min(waits[p].next_change(now) for p in missing)
                 async with self.arrived:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.arrived.wait(), 0.5)
-            await asyncio.gather(*pushes.values(), return_exceptions=True)
+                        await asyncio.wait_for(self.arrived.wait(), min(0.5, max(0.0, wake - now)))
+            # Our own pushes end by their own deadlines (a link cuts them), never past the round's.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*pushes.values(), return_exceptions=True), max(0.0, out.serve_until - self.clock())
+                )
         finally:  # every push and pull this exchange started is over when it returns
             tasks = [*pushes.values(), *pulls.values()]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for p in peers:
+                self.broken.pop((p, round_idx), None)
         got = {p: v for p, v in self.mailbox.get(round_idx, {}).items() if p in set(peers)}
         self.stats.exchanges_ok += len(got)
         self.stats.exchanges_failed += len(peers) - len(got)
@@ -431,6 +461,36 @@ class Gossip:
         if missing := ", ".join(m[-8:] for m in set(peers) - set(got)):
             log.info("round %d: no payload from %s; going on with %d of %d", round_idx, missing, len(got), len(peers))
         return got
+
+    def _observe(
+        self, w: PartnerWait, p: str, round_idx: int, push: asyncio.Task, pull: asyncio.Task | None, now: float
+    ) -> bool:
+        """Bring partner ``p``'s wait up to date with what happened (our push's answer, our pull's, its push's
+        streams, its heartbeat); whether a transfer of its payload to us is moving now."""
+        if push.done() and not push.cancelled() and push.exception() is None and push.result() in _REFUSALS:
+            w.ended = w.ended or "refused"  # it refused us: it will not send either
+        if pull is not None and pull.done():
+            w.pulling = False
+            if not pull.cancelled() and pull.exception() is None and pull.result() is None:
+                w.ended = w.ended or "not served"
+        inc = self.incoming.get((p, round_idx))
+        moving = inc is not None and inc.active > 0 and now - inc.last_progress < self.limits.stall_timeout_s
+        w.broken = (p, round_idx) in self.broken and not moving
+        w.hinted = p in self.pull_hints.get(round_idx, ()) or (self.serves is not None and self.serves(p, round_idx))
+        if not (w.ended or moving or w.hinted) and self.gone is not None and self.gone(p, round_idx):
+            w.ended = "gone"  # it left or paused, serving nothing of this round: skip it without a timeout
+            self.stats.gone_skipped += 1
+        return moving
+
+    def serving(self) -> list[int]:
+        """Rounds whose payload we serve to pullers because a push of it failed (leaving: any partner has not
+        taken it): for our heartbeat's ``serves``."""
+        now = self.clock()
+        return sorted(
+            r
+            for r, o in self.outgoing.items()
+            if (o.peers if self.leaving else o.failed) - o.delivered and now <= o.serve_until
+        )
 
     def undelivered(self, round_idx: int) -> set[str]:
         """Partners of ``round_idx`` that may still take our payload: no push answered OK or refused, no pull."""
@@ -443,6 +503,8 @@ class Gossip:
             del self.incoming[key]
         for r in [r for r in self.outgoing if r < old]:
             self.outgoing.pop(r).close()
+        for key in [k for k in self.broken if k[1] < old]:
+            del self.broken[key]
         for d in (self.mailbox, self.unreachable, self.pull_hints):
             for r in [r for r in d if r < old]:
                 del d[r]

@@ -48,6 +48,54 @@ class FloorWindow:
             )
 
 
+BUSY_FRACTION = 0.5
+"""A direction of our link is busy while its streams together move at least this fraction of the most it was
+seen to move (and at least the floor rate)."""
+
+
+class LinkLoad:
+    """What one direction of this peer's link moves, every stream together: the rate over the last window and
+    the most seen over a whole window (the link's measured rate).
+
+    A stream below the floor rate on a busy link is sharing it (congestion: three 190 MB flows through one
+    80 Mbit/s link get about 27 Mbit/s each, and TCP does not share fairly), not talking to a slow peer, so the
+    floor is not applied to it (:meth:`busy`); a stalled stream is still cut by the stall timeout, and every
+    transfer by its size deadline. A lone trickle never makes the link busy: it moves less than the floor."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._marks: deque[tuple[float, int]] = deque()
+        self._sum = 0
+        self._since: float | None = None
+        self.peak_Bps = 0.0
+
+    def _trim(self, now: float) -> None:
+        while self._marks and self._marks[0][0] <= now - self.window_s:
+            self._sum -= self._marks.popleft()[1]
+        if not self._marks:
+            self._since = None  # idle for a whole window: the next burst is measured afresh
+
+    def add(self, now: float, n: int) -> None:
+        self._trim(now)
+        if self._since is None:
+            self._since = now
+        self._marks.append((now, n))
+        self._sum += n
+        if now - self._since >= self.window_s:  # a whole window of traffic: a measure of the link
+            self.peak_Bps = max(self.peak_Bps, self._sum / self.window_s)
+
+    def rate_Bps(self, now: float) -> float:
+        """Bytes per second over the last window (or since traffic began, if that is shorter)."""
+        self._trim(now)
+        if self._since is None:
+            return 0.0
+        return self._sum / max(1e-3, min(self.window_s, now - self._since))
+
+    def busy(self, now: float, floor_Bps: float) -> bool:
+        rate = self.rate_Bps(now)
+        return rate >= floor_Bps and rate >= BUSY_FRACTION * self.peak_Bps
+
+
 @dataclass
 class Meter:
     """Progress of one stream, for the live display, ETAs and the upload-rate estimate."""

@@ -52,7 +52,7 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
-from locomm.peer.transport.meter import Clock, FloorWindow, Meter, TransferCut, Unreachable
+from locomm.peer.transport.meter import Clock, FloorWindow, LinkLoad, Meter, TransferCut, Unreachable
 from locomm.peer.transport.shaper import SLICE, Bucket, Shaper, attach, shaper_of
 from locomm.protocol.messages import (
     FAULT_CODES,
@@ -88,8 +88,11 @@ class Link:
         *,
         clock: Clock = time.monotonic,
         shaper: Shaper | None = None,
+        loads: Mapping[str, LinkLoad] | None = None,
     ) -> None:
         self.reader, self.writer, self.limits, self.meter = reader, writer, limits, meter
+        self.loads = loads
+        """The peer's link, per direction ("send", "recv"): a stream below the floor on a busy link is not cut."""
         self.clock = clock
         self.up, self.down = (shaper.up, shaper.down) if shaper is not None else (None, None)
         meter.t0 = meter.last = clock()
@@ -104,11 +107,17 @@ class Link:
         self.meter.total += nbytes
         self.deadline = self.clock() + self.limits.deadline_s(nbytes, self.streams)
 
-    def _progress(self, n: int, waited: float) -> None:
+    def _progress(self, n: int, waited: float, direction: str) -> None:
         now = self.clock()
         self.meter.done += n
         self.meter.last = now
-        self.window.add(n, waited, self.limits.min_rate_Bps / self.streams)
+        floor = self.limits.min_rate_Bps / self.streams
+        if self.loads is not None:
+            load = self.loads[direction]
+            load.add(now, n)
+            if load.busy(now, self.limits.min_rate_Bps):
+                floor = 0.0  # our link is full: a slow stream shares it, it is not a slow peer
+        self.window.add(n, waited, floor)
         if self.deadline is not None and now > self.deadline:
             raise TransferCut(f"past the deadline for {self.meter.total} bytes at the floor rate")
 
@@ -171,7 +180,7 @@ class Link:
             wire = self.clock() - t0
             if self.down is not None:
                 await self._throttle(self.down, len(chunk))
-            self._progress(len(chunk), wire)
+            self._progress(len(chunk), wire, "recv")
         return buf
 
     async def discard(self, max_bytes: int = 8 << 20, max_s: float = 1.0) -> None:
@@ -220,7 +229,7 @@ class Link:
                 await asyncio.wait_for(self.writer.drain(), wait_s)
             except TimeoutError:
                 raise self._cut(f"the receiver took nothing for {wait_s:.0f} s") from None
-            self._progress(len(piece), self.clock() - t0)
+            self._progress(len(piece), self.clock() - t0, "send")
 
     async def write_part(self, data: bytes | bytearray | memoryview) -> None:
         if len(data) < IO_CHUNK:  # a small part goes out with its length in one write
@@ -304,6 +313,8 @@ class RpcServer:
         self.inbound = 0
         """Streams admitted past the caps and not yet closed (refused ones are not counted)."""
         self.meters: list[Meter] = []
+        self.loads = {d: LinkLoad(limits.rate_window_s) for d in ("send", "recv")}
+        """What our link moves per direction, every stream together (served and opened: see ``open_link``)."""
         self.stats = RpcStats()
 
     def handler_name(self, service: str) -> str:
@@ -323,7 +334,7 @@ class RpcServer:
         self, service: Service, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         meter = Meter(remote, "recv")
-        link = Link(reader, writer, self.limits, meter, clock=self.clock, shaper=self.shaper)
+        link = Link(reader, writer, self.limits, meter, clock=self.clock, shaper=self.shaper, loads=self.loads)
         call: Call | None = None
         if self.open_streams.get(remote, 0) >= self.limits.max_streams_per_peer:
             return await self._refuse(service, remote, link, "too many open streams from this peer")
@@ -414,8 +425,10 @@ async def open_link(
     *,
     clock: Clock = time.monotonic,
     shaper: Shaper | None = None,
+    loads: Mapping[str, LinkLoad] | None = None,
 ) -> Link:
-    """A stream to ``peer``'s ``handler``, under ``shaper`` (default: the one attached to ``p2p``, if any)."""
+    """A stream to ``peer``'s ``handler``, under ``shaper`` (default: the one attached to ``p2p``, if any);
+    ``loads``: the peer's link per direction (``RpcServer.loads``), shared by every stream it serves and opens."""
     try:
         async with asyncio.timeout(limits.request_timeout_s):
             _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
@@ -424,7 +437,7 @@ async def open_link(
     except (Exception, TimeoutError) as e:  # noqa: BLE001 - p2pd reports dial failures in several ways
         raise Unreachable(f"{type(e).__name__}: {e}") from None
     shaper = shaper if shaper is not None else shaper_of(p2p)
-    return Link(reader, writer, limits, Meter(peer, direction), streams, clock=clock, shaper=shaper)
+    return Link(reader, writer, limits, Meter(peer, direction), streams, clock=clock, shaper=shaper, loads=loads)
 
 
 async def request(

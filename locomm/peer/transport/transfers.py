@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections import defaultdict
 from collections.abc import Mapping
@@ -79,6 +80,11 @@ class Outgoing:
         self.parts = codec.parts(self.enc)
         self.xfer = random.getrandbits(31)
         self.delivered: set[str] = set()
+        """Partners that have it (a push answered OK, a pull served) or will never take it (a refusal)."""
+        self.failed: set[str] = set()
+        """Partners a push to failed (cut, unreachable): they may pull it."""
+        self.serve_until = math.inf
+        """Pulls of it are served until then (``timing.serve_until``; the exchange sets it)."""
         loop = asyncio.get_running_loop()
         self._futures = [loop.run_in_executor(server.pool, codec.encode_part, payload, p) for p in self.parts]
 
@@ -101,6 +107,8 @@ class Incoming:
     """When a byte of it last arrived, in the Gossip's clock."""
     pulled: bool = False
     """A pull we started (not counted against the budget of pushed payloads)."""
+    active: int = 0
+    """Streams reading parts of it now."""
     claimed: set[Part] = field(default_factory=set)
     done: set[Part] = field(default_factory=set)
 

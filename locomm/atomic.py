@@ -32,16 +32,35 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+PRIVATE_DIR_MODE = 0o700
+"""Folders locomm creates for the user's files (a checkpoint folder): only the user may list or read them."""
+
+
+def check_private(path: Path, what: str) -> None:
+    """Refuse a secret (an identity key, a swarm secret) that others than its owner can read, saying how to fix
+    it (ssh does the same for its keys). Raises ``ValueError`` with the message; callers turn it into their
+    own error type."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # a missing file is reported by whoever reads it
+    if mode & 0o077:
+        raise ValueError(
+            f"{what} {path} is readable by others (mode {mode & 0o777:04o}): it is a secret; run chmod 600 {path}"
+        )
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; what the body writes there replaces ``path`` whole on exit.
 
     The temporary file is fsynced before the rename and the folder after it; on an error it is removed,
     and a kill leaves it for its folder's owner to sweep (``locomm.checkpoint.sweep_temp_files``).
-    Parent folders are created.
+    Parent folders are created (the last one 0700). The file is 0600 (``mkstemp``'s mode).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.exists():  # a folder we create is the user's alone; an existing one is left as it is
+        path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     os.close(fd)
     tmp = Path(name)

@@ -26,8 +26,8 @@ def swarm_key_option(f: F) -> F:
     return click.option(
         "--swarm-key",
         type=click.Path(dir_okay=False, path_type=Path),
-        help="Closed swarm: a file of >= 32 random bytes (head -c 32 /dev/urandom > swarm.key) shared by its "
-        "peers, or a list of allowed peer ids, one a line. Records without it are refused.",
+        help="Closed swarm: a file of >= 32 random bytes (head -c 32 /dev/urandom > swarm.key; chmod 600 "
+        "swarm.key) shared by its peers, or a list of allowed peer ids, one a line. Records without it are refused.",
     )(f)
 
 

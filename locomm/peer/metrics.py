@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
 from typing import IO, Any
 
+from locomm.atomic import PRIVATE_DIR_MODE
 from locomm.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,8 +76,10 @@ class EventLog:
         self._lock = threading.Lock()
         self.dropped = 0
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            if not path.parent.exists():
+                path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # the user's alone, as every file
+            self._f = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, event: str, **fields: Any) -> None:
         if self._f is None:

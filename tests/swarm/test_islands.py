@@ -87,6 +87,7 @@ def test_island_goes_on_when_its_representative_dies(tmp_path, launcher: Launche
     until = ("--until-round", "20", "--wait-for-peers", "3", "--eval-every", "0")
     key = tmp_path / "island.key"
     key.write_bytes(os.urandom(32))
+    key.chmod(0o600)  # a secret: locomm refuses one others can read
     isl = ("--island", "a", "--island-size", "2", "--island-key", str(key))  # a closed island
     p0 = launcher.start("p0", *until, *isl, "--shard", "0/3", config=cfg, env=DIGEST)
     first = p0.address()

@@ -161,7 +161,9 @@ def test_forged_records_and_outsiders_are_refused(tmp_path: Path, launcher: Laun
     cfg = _spec(tmp_path)
     key, wrong = tmp_path / "swarm.key", tmp_path / "wrong.key"
     key.write_bytes(os.urandom(32))
+    key.chmod(0o600)  # a secret: locomm refuses one others can read
     wrong.write_bytes(os.urandom(32))
+    wrong.chmod(0o600)  # a secret: locomm refuses one others can read
     closed = ("--until-round", "100000", "--wait-for-peers", "3", "--swarm-key", str(key))
     a = launcher.start("a", *closed, "--shard", "0/3", config=cfg)
     boot = a.address()

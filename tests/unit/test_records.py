@@ -16,7 +16,9 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer
 
+from locomm.atomic import atomic_write_bytes
 from locomm.config import ConfigError, DataConfig
+from locomm.peer.metrics import EventLog
 from locomm.peer.transport.records import (
     MAX_ROUND_S,
     SPEC_TTL_S,
@@ -179,7 +181,11 @@ def test_a_closed_swarm_admits_key_holders_only(identities):
 def test_swarm_key_files(identities, tmp_path):
     secret = tmp_path / "swarm.key"
     secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)  # a secret: locomm refuses one others can read
     assert SwarmKey.load(secret).secret == secret.read_bytes()
+    secret.chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by others.*chmod 600"):
+        SwarmKey.load(secret)
     a, b = (PeerID.from_identity(p.read_bytes()).to_base58() for p in identities[:2])
     listed = tmp_path / "peers.txt"
     listed.write_text(f"# the lab's machines\n{a}\n\n{b}  # gpu box\n")
@@ -200,12 +206,41 @@ def test_swarm_key_files(identities, tmp_path):
 def test_only_rsa_identities_sign(tmp_path):
     ed = tmp_path / "ed25519.key"
     ed.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=b"\x00" * 64).SerializeToString())
+    ed.chmod(0o600)
     with pytest.raises(ConfigError, match="RSA"):
         load_identity(ed)
     junk = tmp_path / "junk.key"
     junk.write_bytes(b"\xff" * 10)
+    junk.chmod(0o600)
     with pytest.raises(ConfigError):
         load_identity(junk)
+
+
+def test_secrets_others_can_read_are_refused_and_files_we_write_are_the_users_alone(identities, tmp_path):
+    """ssh's rule for keys: an identity (or a swarm secret) that group or others can read is refused, saying
+    how to fix it; what locomm writes is 0600, in folders it creates 0700 (a checkpoint folder)."""
+    ident = identities[0]
+    assert ident.stat().st_mode & 0o077 == 0  # hivemind generates identities 0400
+    load_identity(ident)
+    ident.chmod(0o644)
+    try:
+        with pytest.raises(ConfigError, match=f"--identity {ident} is readable by others .*chmod 600 {ident}"):
+            load_identity(ident)
+    finally:
+        ident.chmod(0o400)
+    ckpt = tmp_path / "new" / "ckpt"
+    atomic_write_bytes(ckpt / "state.bin", b"x")
+    log = EventLog(tmp_path / "logs" / "events.jsonl")
+    log.write("round", round=1)
+    log.close()
+    assert (ckpt.stat().st_mode & 0o777, (ckpt / "state.bin").stat().st_mode & 0o777) == (0o700, 0o600)
+    assert (
+        (tmp_path / "logs").stat().st_mode & 0o777,
+        (tmp_path / "logs" / "events.jsonl").stat().st_mode & 0o777,
+    ) == (
+        0o700,
+        0o600,
+    )
 
 
 @pytest.mark.parametrize("corpus", ["stdlib", "hf:roneneldan/TinyStories", "hf:wikitext:wikitext-2-raw-v1"])

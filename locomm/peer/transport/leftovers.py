@@ -59,7 +59,7 @@ def record(p2p: Any, where: Path | None = None) -> Path | None:
         return None
     folder = where or records_dir()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = folder / f"{os.getpid()}-{Path(paths[0]).stem.rsplit('-', 1)[-1]}.json"
         path.write_text(json.dumps({"pid": os.getpid(), "sockets": paths}))
     except OSError as e:  # a full or read-only disk: the sockets may be left, nothing else

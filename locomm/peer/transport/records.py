@@ -55,6 +55,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer
 
+from locomm.atomic import check_private
 from locomm.config import ConfigError
 from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat
 
@@ -131,6 +132,10 @@ def load_identity(path: str | Path) -> rsa.RSAPrivateKey:
     """The RSA private key of a libp2p identity file (protobuf PrivateKey, as ``P2P.generate_identity``
     writes it). Raises ConfigError for another key type or an unreadable file."""
     try:
+        check_private(Path(path), "--identity")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
         proto = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
         if proto.key_type != crypto_pb2.RSA:
             raise ConfigError(f"--identity {path}: only RSA identities can sign swarm records")
@@ -158,7 +163,13 @@ class SwarmKey:
             data = Path(path).read_bytes()
         except OSError as e:
             raise ConfigError(f"--swarm-key {path}: {e.strerror or e}") from None
-        return cls.parse(data, str(path))
+        key = cls.parse(data, str(path))
+        if key.secret is not None:  # a list of peer ids is no secret; a shared secret is
+            try:
+                check_private(Path(path), "--swarm-key")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        return key
 
     @classmethod
     def parse(cls, data: bytes, name: str = "swarm key") -> SwarmKey:
@@ -168,7 +179,7 @@ class SwarmKey:
         if len(data) < MIN_SWARM_SECRET:
             raise ConfigError(
                 f"--swarm-key {name}: {len(data)} bytes is neither a secret of at least {MIN_SWARM_SECRET} random "
-                "bytes (head -c 32 /dev/urandom > swarm.key) nor a list of peer ids, one a line"
+                "bytes (head -c 32 /dev/urandom > swarm.key; chmod 600 swarm.key) nor a list of peer ids, one a line"
             )
         return cls(secret=bytes(data))
 

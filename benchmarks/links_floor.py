@@ -1,0 +1,94 @@
+"""A shaped links.py run against its floor, from the JSON of the same setup shaped and unshaped.
+
+    python benchmarks/links_floor.py --shaped benchmarks/results/links-56m-short-80mbit-r1.json \
+        --unshaped benchmarks/results/links-56m-short-none-r1.json [--out result.json]
+
+The floor of a shaped run (docs/results/links.md): the unshaped run's wall-clock; plus, for every round but
+the last, what of one exchange at the link's rate the next round's unshaped time cannot hide (the overlap hides
+an exchange behind the next round's compute); plus the last exchange, which overlaps nothing. One exchange is
+the shaped run's own measured payload (``bytes_per_ok_exchange``) to each partner, upload and download in
+parallel, at the tbf rate: ``partners * payload * 8 / rate``. A round's unshaped time is the slowest peer's
+(the round events' ``wall_s`` differences). Also: each peer's finish (its last round event) against the
+fastest one's, the longest compute wait on the network in one round, and what the exchanges did (pulls, cuts,
+give-ups). Prints one JSON object (and writes it to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def rounds_of(run: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """Each peer's round events, in order."""
+    return [
+        sorted((e for e in p["events"] if e.get("event") == "round"), key=lambda e: e["round"]) for p in run["per_peer"]
+    ]
+
+
+def round_times(run: dict[str, Any]) -> list[float]:
+    """The slowest peer's time for each round (round 1 from its training start)."""
+    per_peer = rounds_of(run)
+    n = min(len(r) for r in per_peer)
+    out = []
+    for k in range(n):
+        out.append(max(r[k]["wall_s"] - (r[k - 1]["wall_s"] if k else 0.0) for r in per_peer))
+    return out
+
+
+def floor(shaped: dict[str, Any], unshaped: dict[str, Any]) -> dict[str, Any]:
+    tot = shaped["totals"]
+    rate = float(shaped["per_peer"][0]["rate_bps"])
+    partners = max(len(e.get("partners") or []) for r in rounds_of(shaped) for e in r)
+    exchange_s = partners * tot["bytes_per_ok_exchange"] * 8 / rate
+    u = round_times(unshaped)
+    hidden_short = [max(0.0, exchange_s - u[k + 1]) for k in range(len(u) - 1)]
+    f = unshaped["totals"]["wall_s"] + sum(hidden_short) + exchange_s
+    ends = [r[-1]["time"] for r in rounds_of(shaped)]
+    waits = [e.get("wait_s", 0.0) for r in rounds_of(shaped) for e in r]
+    sums = tot.get("other_sums", {})
+    return {
+        "shaped": shaped.get("_path"),
+        "unshaped": unshaped.get("_path"),
+        "exchange_s": exchange_s,
+        "unshaped_round_s": u,
+        "unhidden_s": hidden_short,
+        "unshaped_wall_s": unshaped["totals"]["wall_s"],
+        "floor_s": f,
+        "shaped_wall_s": tot["wall_s"],
+        "ratio": tot["wall_s"] / f,
+        "shaped_round_s": round_times(shaped),
+        "finish_spread_s": max(ends) - min(ends),
+        "finish_within_one_exchange": max(ends) - min(ends) <= exchange_s,
+        "longest_round_wait_s": max(waits, default=0.0),
+        "exchanges_ok": tot["exchanges_ok"],
+        "exchanges_failed": tot["exchanges_failed"],
+        "pulls": sums.get("pulls"),
+        "transfers_cut": sums.get("transfers_cut"),
+        "gave_up": sums.get("gave_up"),
+        "pushes_failed": sums.get("pushes_failed"),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shaped", type=Path, required=True)
+    ap.add_argument("--unshaped", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    runs = []
+    for p in (args.shaped, args.unshaped):
+        run = json.loads(p.read_text())
+        run["_path"] = str(p)
+        runs.append(run)
+    res = floor(*runs)
+    text = json.dumps(res, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

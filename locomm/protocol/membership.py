@@ -40,6 +40,9 @@ JOIN_CAP_FRACTION = 0.25
 """... and at most this fraction of the members admitted before it, when that is more."""
 MAX_ADDRS = 16
 MAX_ADDR_LEN = 256
+MAX_CLOCK_SKEW_S = 30.0
+"""A heartbeat written further than this in the reader's future is not fresh: a time its writer chose does not
+keep it alive (a future ``time`` kept a dead or fake peer fresh for the record's whole life)."""
 MAX_SERVED_ROUNDS = 4
 """Rounds a heartbeat's ``serves`` may list (a sender keeps the payloads of its last two rounds)."""
 MAX_VERSION_LEN = 64
@@ -271,7 +274,8 @@ def members_for_round(
 
     A peer is a member of r when it was admitted by r (its :func:`admission_rounds` round ``<= r``) and either
     its last published round is at least ``r - MEMBER_LAG_ROUNDS`` or its heartbeat is younger than
-    ``fresh_s`` at ``now`` (a live peer that is merely slow stays in). A peer that died drops out when both
+    ``fresh_s`` at ``now`` and not from further than ``MAX_CLOCK_SKEW_S`` in its future (a live peer that is
+    merely slow stays in). A peer that died drops out when both
     fail: its frozen round counter is content every peer reads alike, so where rounds are longer than the
     heartbeat TTL (any real run) it drops out for everyone at the same round, whenever each one reads.
     A peer that left (``finished``, its final heartbeat) or was paused is a member of no round from its last
@@ -287,7 +291,7 @@ def members_for_round(
         if admitted.get(h.peer, NOT_ADMITTED) <= round_idx
         and not ((h.finished or h.paused) and h.round <= round_idx)
         and not (h.island and not h.island_rep)
-        and (h.round >= round_idx - MEMBER_LAG_ROUNDS or now - h.time < fresh_s)
+        and (h.round >= round_idx - MEMBER_LAG_ROUNDS or -MAX_CLOCK_SKEW_S <= now - h.time < fresh_s)
     }
     members.add(me)
     return sorted(members)
@@ -302,14 +306,15 @@ def islands_led(beats: Iterable[Heartbeat]) -> bool:
 
 
 def robust_top(values: Iterable[int], slack: int = 1) -> int:
-    """The largest of ``values`` within ``slack`` of the value two thirds of them reach (the largest, with
-    fewer than 3; 0 with none): a minority that claims a far-off round or step moves it by ``slack`` at most."""
+    """The largest of ``values`` within ``slack`` of their (lower) median (the largest, with fewer than 3; 0
+    with none): fewer than half of them, claiming a far-off round or step, move it by ``slack`` at most. (It
+    was the value two thirds reach: 3 identities of 7 claiming round 10^9 sent a joiner there.)"""
     ordered = sorted(values)
     if not ordered:
         return 0
     if len(ordered) < 3:
         return ordered[-1]
-    q = ordered[(2 * len(ordered) - 1) // 3]
+    q = ordered[(len(ordered) - 1) // 2]
     return max(v for v in ordered if v <= q + slack)
 
 

@@ -132,7 +132,8 @@ def partner_eta(
             has planned, and so sent, that round); None: no heartbeat seen (taken as computing ``round_idx``).
         round_t0: when the partner's current round's compute began (None: ``now``; 0 is a time like any other).
         round_s: the partner's average round time (None or 0: ours, at least ``MIN_OWN_ROUND_S``).
-        up_Bps: the partner's measured upload rate (None or 0: the floor rate; no floor: no upload time).
+        up_Bps: the partner's measured upload rate (None, 0 or below the floor: the floor rate; no floor and
+            none given: no upload time).
         partners: to how many partners the partner sends (None or < 1: one).
         own_round_s: our own average round time.
         wire_bytes: the payload's size before coding (the upper bound the receiver knows).
@@ -147,7 +148,9 @@ def partner_eta(
     own = max(own_round_s, MIN_OWN_ROUND_S)
     round_s = float(round_s or own)
     t0 = now if round_t0 is None else float(round_t0)
-    up = float(up_Bps or 0.0) or limits.min_rate_Bps or math.inf
+    # Never slower than the floor: a transfer below it is cut anyway, so a partner that declares less (a liar's
+    # way to be waited for max_wait_s every round) is waited for as if it uploaded at the floor.
+    up = max(float(up_Bps or 0.0), limits.min_rate_Bps) or math.inf
     fan_out = max(1, int(partners or 1))
     rounds_to_go = round_idx - partner_round + 1 if partner_round is not None else 1
     ready = now if rounds_to_go <= 0 else t0 + rounds_to_go * round_s

@@ -252,13 +252,11 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
             def push(**over) -> dict:  # for the round the peer is in now (it only buffers rounds next to its own)
                 return {**push_header(run, peer.round(), me, 7, 0, 1, {}, parts), **over}
 
+            # No heartbeat yet: not a member. Refused at the door, before its header is read (an outsider takes
+            # none of the slots members share), whatever it sends.
             codes = {
-                "garbage": await send(b"\x00\x00\x00\x08" + b"\xc1" * 8),
-                "huge_header": await send((1 << 30).to_bytes(4, "big")),
-                "bad_version": await send(frame({**base, "v": 999})),
-                "wrong_run": await send(frame({**base, "run": "0" * 16})),
-                "wrong_type": await send(frame({**base, "round": "three"})),
-                "unauthorized": await send(frame(push(), body)),  # no heartbeat yet: not a member
+                "unauthorized": await send(frame(push(), body)),
+                "outsider_garbage": await send(b"\x00\x00\x00\x08" + b"\xc1" * 8),
             }
             # A member as a live peer is one: its heartbeat kept fresh, at the target's round, within 2x the run's
             # TTL (records expiring later are refused), so the target counts it, and pairs with it, every round.
@@ -280,6 +278,11 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
                 if codes["pull"] != ErrorCode.UNAUTHORIZED:
                     break
                 await asyncio.sleep(0.5)
+            codes["garbage"] = await send(b"\x00\x00\x00\x08" + b"\xc1" * 8)
+            codes["huge_header"] = await send((1 << 30).to_bytes(4, "big"))
+            codes["bad_version"] = await send(frame({**base, "v": 999}))
+            codes["wrong_run"] = await send(frame({**base, "run": "0" * 16}))
+            codes["wrong_type"] = await send(frame({**base, "round": "three"}))
             codes["stalled"] = await send(frame(push()))  # the header, then nothing: cut after stall_timeout_s
             codes["oversized"] = await send(frame(push(), (2**32 - 1).to_bytes(4, "big")))
             codes["bad_shape"] = await send(frame(push(parts=[[0, 0, 999]])))
@@ -299,6 +302,7 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
             "wrong_run": ErrorCode.WRONG_RUN,
             "wrong_type": ErrorCode.MALFORMED,
             "unauthorized": ErrorCode.UNAUTHORIZED,
+            "outsider_garbage": ErrorCode.UNAUTHORIZED,
             "stalled": ErrorCode.TIMEOUT,  # neither is a fault
             "pull": ErrorCode.NOT_READY,  # a member asking for a payload we do not hold for it: not a fault
             "oversized": ErrorCode.TOO_LARGE,

@@ -21,7 +21,7 @@ from locomm.peer.transport.state_sync import Snapshot, StateServer, Synced, expe
 from locomm.protocol.timing import Limits
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="module")]
-DONORS = 4
+DONORS = 5
 RUN = "statesync"
 LIMITS = Limits(request_timeout_s=10.0, stall_timeout_s=5.0)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -47,7 +47,7 @@ EXPECTED = expected_layout(state())
 
 @dataclass
 class Swarm:
-    """Four donors, each a StateServer on an RpcServer over its own P2P, and a joiner bootstrapped to them."""
+    """Five donors, each a StateServer on an RpcServer over its own P2P, and a joiner bootstrapped to them."""
 
     joiner: P2P
     donors: list[str]
@@ -120,7 +120,25 @@ async def test_gossip_states_the_result_stays_within_the_honest_donors_range(net
     donors = net.serve([Snapshot.take(5, liar)] + [Snapshot.take(5 + (s == 2), h) for s, h in enumerate(honest)])
     got, faults = await sync(net.joiner, donors)
     assert got is not None and got.rule == "median" and got.round == 5
-    assert len(got.donors) == 3 and faults == []  # disagreeing is what honest gossip donors do: not a fault
+    assert len(got.donors) == 4 and faults == []  # disagreeing is what honest gossip donors do: not a fault
+    for k in EXPECTED:
+        lo = torch.stack([h[k] for h in honest]).amin(0)
+        hi = torch.stack([h[k] for h in honest]).amax(0)
+        assert bool(((got.tensors[k] >= lo) & (got.tensors[k] <= hi)).all()), k
+
+
+@pytest.mark.parametrize("poisons", [1, 2], ids=["one-poisoned-state", "two-poisoned-states"])
+async def test_two_colluding_donors_of_five_do_not_set_a_gossip_joiners_state(net, poisons):
+    """Measured on the main before: 2 identities serving one poisoned state out of 5 donors won the plurality
+    rule ("at least 2 and more than any other hash": every honest gossip hash differs), and 2 distinct poisoned
+    states won the median of the first 3 donors. Now: a strict majority or the median over every donor; the
+    bound is fewer liars than half the donors (3 of 5 colluding on one state is a majority and wins)."""
+    honest = [state(seed=s, jitter=0.01) for s in (1, 2, 3)]
+    poisoned = [{k: v + 1000.0 * (i + 1) for k, v in state().items()} for i in range(poisons)]
+    liars = [poisoned[0], poisoned[-1]]  # one state twice, or two states
+    donors = net.serve([Snapshot.take(5, x) for x in liars + honest])
+    got, faults = await sync(net.joiner, donors)
+    assert got is not None and got.rule == "median" and len(got.donors) == 5 and faults == []
     for k in EXPECTED:
         lo = torch.stack([h[k] for h in honest]).amin(0)
         hi = torch.stack([h[k] for h in honest]).amax(0)
@@ -180,6 +198,7 @@ async def test_a_holder_serving_other_bytes_than_its_manifest_is_dropped_and_its
     monkeypatch.setattr(state_mod, "FETCH_BATCH_BYTES", 64)  # one tensor per batch: every holder gets work
     honest = state()
     forged = Snapshot.take(6, honest)
+    forged.seal()  # its manifest is of the honest state (sealed before the bytes change)
     forged.tensors = {k: v + 1.0 for k, v in forged.tensors.items()}
     donors = net.serve([forged, Snapshot.take(6, honest), Snapshot.take(6, honest)])
     got, faults = await sync(net.joiner, donors)

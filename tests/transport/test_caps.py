@@ -173,3 +173,57 @@ def test_admit_hook_refuses_non_partners_with_unauthorized(pool):
         assert asked == [(SENDER, 1), ("QmPartner", 1)] and "QmPartner" in n.gossip.mailbox[1]
 
     run(body())
+
+
+def test_a_flood_of_finished_payloads_is_held_within_the_budget(pool):
+    """Measured on the main before: 16 admitted identities pushed 32 finished payloads to one peer and every one
+    was answered OK and kept decoded (the budget counted only payloads on their way). Now a payload counts until
+    an exchange takes it: at most partners + 2 are held, the rest are NOT_READY before any allocation (their
+    senders retry, then serve them for a pull), and an exchange frees what it took."""
+
+    async def body():
+        n = Node(pool)
+        n.gossip.set_partners(1)
+        answers = [
+            await n.serve(n.push(sender=f"QmFlood{i}", round_idx=r), remote=f"QmFlood{i}")
+            for i in range(16)
+            for r in (0, 1)
+        ]
+        assert answers.count(ErrorCode.OK) == 3 and answers.count(ErrorCode.NOT_READY) == 29
+        assert n.gossip.held_payloads() == 3 == n.allocated and n.faults == []
+        held = {p for r in n.gossip.mailbox for p in n.gossip.mailbox[r]}
+        got = await n.gossip.exchange(0, sorted(held), {"theta/a": torch.zeros(10_000)}, eta=lambda p: 0.0)
+        assert len(got) >= 1 and n.gossip.held_payloads() == 3 - len(got)
+        assert await n.serve(n.push(sender="QmLate", round_idx=1), remote="QmLate") == ErrorCode.OK
+
+    run(body())
+
+
+def test_outsiders_take_no_shared_slot_and_a_slow_header_holds_one_for_seconds(pool):
+    """Measured on the main before: 16 identities x 16 slow headers held every one of the 256 shared inbound
+    slots for 30 s each, so every push, pull and state request got NOT_READY, in a closed swarm too, from an
+    outsider. Now the policy is asked before a stream takes a shared slot (an outsider's stream is refused at
+    once, UNAUTHORIZED, its header never read), and a member's header must come within HEADER_TIMEOUT_S."""
+    from locomm.peer.transport.rpc import HEADER_TIMEOUT_S
+
+    async def authorize(peer: str, policy: str) -> bool:
+        return not peer.startswith("QmOutsider")
+
+    async def body():
+        n = Node(pool, Limits(request_timeout_s=30.0, stall_timeout_s=10.0, max_inbound_streams=2))
+        n.server.authorize = authorize
+        for i in range(8):  # outsiders' streams that send nothing: refused at once, no slot, no header read
+            reader, writer = asyncio.StreamReader(), FakeWriter()
+            t0 = asyncio.get_running_loop().time()
+            await asyncio.wait_for(n.server._serve(n.gossip.service(), f"QmOutsider{i}", reader, writer), 5)
+            assert answer(writer.buf) == ErrorCode.UNAUTHORIZED and n.server.inbound == 0
+            assert asyncio.get_running_loop().time() - t0 <= 1.0 + 1e-9  # the refusal's short drain, no more
+        # A member that opens a stream and sends no header holds a slot for HEADER_TIMEOUT_S, not 30 s.
+        reader, writer = asyncio.StreamReader(), FakeWriter()
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(n.server._serve(n.gossip.service(), SENDER, reader, writer), 60)
+        waited = asyncio.get_running_loop().time() - t0
+        assert answer(writer.buf) == ErrorCode.TIMEOUT and HEADER_TIMEOUT_S <= waited < HEADER_TIMEOUT_S + 2.0
+        assert await n.serve(n.push()) == ErrorCode.OK and n.faults == []
+
+    run(body())

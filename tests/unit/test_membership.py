@@ -128,8 +128,26 @@ def test_one_donor_rule_for_every_driver():
         beat("rep", 10, island="i", island_rep=True),
     ]
     top = robust_top(b.round for b in beats)
-    assert top == 11  # two thirds reach 10, and one round of slack
+    assert top == 11  # the median is 10, and one round of slack
+    # Fewer than half the identities cannot move it (two thirds could: 3 of 7 claiming 10^9 set it there);
+    # a majority can (4 of 7: the first configuration past the bound).
+    assert robust_top([5, 5, 5, 6] + [10**9] * 3) == 6
+    assert robust_top([5, 5, 5] + [10**9] * 4) == 10**9
     got = state_donors(beats, top, lambda b: b.round)
     assert got == ["h2", "h0", "h1", "rep", "h3"]  # at the top first, then nearest to it
     assert state_donors(beats, top, lambda b: b.round, n=10)[-2:] == ["h4", "h5"]
     assert state_donors(beats, 10, lambda b: b.round, slack=0) == ["h0", "h1", "rep", "h3", "h4"]  # 11 is past
+
+
+def test_a_heartbeat_from_the_future_does_not_keep_a_peer_fresh():
+    """A heartbeat's ``time`` is its writer's to choose: one far in the reader's future kept a dead (or minted)
+    peer a member for the record's whole life. Within MAX_CLOCK_SKEW_S it is a clock, past it a lie."""
+    from locomm.protocol.membership import MAX_CLOCK_SKEW_S, MEMBER_LAG_ROUNDS
+
+    now, r = 1000.0, 10 + MEMBER_LAG_ROUNDS + 1  # their round counters lag: only freshness keeps them in
+    beats = [
+        Heartbeat(peer="QmSkewed", round=10, time=now + MAX_CLOCK_SKEW_S / 2),
+        Heartbeat(peer="QmFuture", round=10, time=now + 10 * MAX_CLOCK_SKEW_S),
+        Heartbeat(peer="QmStale", round=10, time=now - 100.0),
+    ]
+    assert members_for_round(beats, r, "QmMe", fresh_s=60.0, now=now) == ["QmMe", "QmSkewed"]

@@ -135,3 +135,13 @@ def test_eta_partner_two_rounds_past_is_not_waited_for() -> None:
     kw = dict(round_t0=100.0, round_s=40.0, up_Bps=2e6, partners=1, own_round_s=30.0, wire_bytes=10e6, limits=LIM)
     assert partner_eta(round_idx=5, partner_round=7, now=150.0, **kw) == 150.0
     assert partner_eta(round_idx=5, partner_round=6, now=150.0, **kw) > 150.0 + LIM.stall_timeout_s
+
+
+def test_a_partner_declaring_an_upload_below_the_floor_is_waited_for_as_at_the_floor():
+    """An ETA liar declaring 1 B/s made its partners wait max_wait_s every round; a transfer below the floor is
+    cut anyway, so the ETA takes the floor."""
+    lim = Limits(stall_timeout_s=20.0, min_rate_Bps=1e6)
+    kw = dict(round_idx=3, partner_round=4, round_t0=0.0, round_s=10.0, partners=2, own_round_s=10.0)
+    honest = partner_eta(**kw, up_Bps=1e6, wire_bytes=50e6, limits=lim, now=100.0)
+    liar = partner_eta(**kw, up_Bps=1.0, wire_bytes=50e6, limits=lim, now=100.0)
+    assert liar == honest == 100.0 + 100.0 + 20.0 + 2.5

@@ -85,6 +85,8 @@ class Node:
         self.avg_bytes = 0
         self.last_loss = self.val_loss = float("nan")
         self.tokens_per_s = self.wait_s = 0.0
+        self.parts_s: dict[str, float] = {}
+        """The last apply, snapshot, plan and exchange durations (round events: where the time goes)."""
         self.step_in_round = 0
         self.summary: dict[str, Any] = {}
 
@@ -244,7 +246,7 @@ class Node:
         return False  # a paused data-parallel peer waits for resume or stop, whatever the swarm does
 
     async def _enter(self, resumed: bool | None) -> None:
-        """Pick the round to join at, a little ahead of the swarm's (two thirds of the admitted peers reached it:
+        """Pick the round to join at, a little ahead of the swarm's (the admitted peers' median, robust_top:
         one peer claiming round 10^9 cannot send us there), and download the state unless we resumed our own.
         ``resumed=None`` (back from a pause): our own state is current unless the swarm moved past our round."""
         host = self.host
@@ -394,8 +396,11 @@ class Node:
 
     def _apply(self, received: dict[str, Any]) -> None:
         """The pending round's outer update, one round late, keeping local progress (protocol/rounds.py)."""
+        t0 = time.perf_counter()
         r = self.rounds.settle(self.params(), received)
+        t1 = time.perf_counter()
         self._snapshot(r if r is not None else self.round)
+        self.parts_s["apply_s"], self.parts_s["snapshot_s"] = t1 - t0, time.perf_counter() - t1
         if self.island is not None and r is not None:  # the island's followers fetch it (peer/island/member.py)
             self.island.settle_done(r, True)
         self.host.note_screening(r, self.rounds.outcome)
@@ -410,7 +415,9 @@ class Node:
             self.gossip.stats.exchanges_failed += int(answered == 0)
             return received, answered
         eta = self.roster.eta(round_idx, self.round_s)
+        t0 = time.perf_counter()
         got = await self.gossip.exchange(round_idx, planned.exchange.peers, payload, eta=eta)
+        self.parts_s["exchange_s"] = time.perf_counter() - t0
         return planned.received(me, got), len(got)
 
     async def _finish(self, task: asyncio.Task | None) -> None:
@@ -495,7 +502,9 @@ class Node:
                 fresh_s=self.spec.network.heartbeat_ttl_s,
                 now=host.dht_now(),
             )
+            t_plan = time.perf_counter()
             planned = await host.compute(self.rounds.start, self.round, members, self._sent_params())
+            self.parts_s["plan_s"] = time.perf_counter() - t_plan
             self.roster.planned_round(self.round, planned.exchange.peers)
             if island is not None:  # its followers will ask for this round's outer update
                 island.planned_round(self.round)
@@ -527,6 +536,10 @@ class Node:
             answered=self.last_answered,
             wall_s=wall,
             compute_s=compute_s,
+            # Where a round's time goes (the last apply, plan and exchange; the codec pool's totals so far).
+            **self.parts_s,
+            encode_s=self.gossip.stats.encode_s,
+            decode_s=self.gossip.stats.decode_s,
             faults=host.faults.total,
         )
         host.report("round_done", self.status())

@@ -25,9 +25,11 @@ for theirs; the round goes on with whoever answered. No global barrier.
   ``serves``; ``on_serving`` is called when that changes) until ``timing.serve_until``, never longer.
 - **Admission and memory.** ``admit(peer, round)``, when given, is asked before a push is read: a sender it
   refuses (not one of the round's partners) is answered ``UNAUTHORIZED``, a refusal, not a fault. At most
-  ``max_payloads`` pushed payloads are being received at once (``partners + 2`` once :meth:`Gossip.exchange`
-  has seen a round's partners, unless the constructor fixed it); beyond it a push is answered ``NOT_READY``
-  before its buffer is allocated. Pulls we start ourselves are not counted (we chose those partners).
+  ``max_payloads`` pushed payloads are held at once, being received or received and not yet taken by an
+  exchange (``partners + 2`` once :meth:`Gossip.exchange` has seen a round's partners, unless the constructor
+  fixed it); beyond it a push is answered ``NOT_READY`` before its buffer is allocated (its sender retries,
+  then serves it for a pull). An exchange releases what it took; a payload that arrives for a round whose
+  exchange is over is not kept. Pulls we start ourselves are not counted (we chose those partners).
 - **Leaving.** ``gone(peer, round)``, when given, says a partner left before that round (its final heartbeat):
   the exchange stops waiting for it at once instead of at its deadline.
 - **Faults** are protocol violations and bad payloads only (``FAULT_CODES``); repeated faults ban. Bans are
@@ -51,7 +53,15 @@ from hivemind.p2p import P2P
 from locomm.compression.payload import Part, PayloadCodec, PayloadError
 from locomm.peer.transport.rpc import Call, Clock, Limits, Link, RpcServer, Service, TransferCut, Unreachable, open_link
 from locomm.peer.transport.transfers import EarlyReset as _EarlyReset
-from locomm.peer.transport.transfers import Faults, GossipStats, Incoming, Outgoing, balance_lanes, tally_lanes
+from locomm.peer.transport.transfers import (
+    Faults,
+    GossipStats,
+    Incoming,
+    Outgoing,
+    balance_lanes,
+    tally_lanes,
+    timed,
+)
 from locomm.protocol.messages import (
     FAULT_CODES,
     ErrorCode,
@@ -122,6 +132,7 @@ class Gossip:
         self.unreachable: dict[int, set[str]] = defaultdict(set)
         self.pull_hints: dict[int, set[str]] = defaultdict(set)
         self.stats = GossipStats()
+        self._decode_part = timed(codec.decode_part, self.stats, "decode_s")
         self.admit = admit
         """(sender, round) -> may it push to us (the node's: one of that round's partners)."""
         self.gone: Callable[[str, int], bool] | None = None  # see "Leaving" above
@@ -131,6 +142,8 @@ class Gossip:
         """Called when :meth:`serving` gains a round (the node publishes its heartbeat soon)."""
         self.leaving = False
         """Set by a leaving peer: :meth:`serving` lists every round some partner has not taken yet."""
+        self.settled: set[int] = set()
+        """Rounds whose exchange has returned: payloads of them that arrive later are not kept."""
         self.broken: dict[tuple[str, int], float] = {}
         """(sender, round) -> when a push of it broke (cut, reset) before the payload was complete."""
         self.fixed_max_payloads = max_payloads
@@ -145,6 +158,12 @@ class Gossip:
     def set_partners(self, n: int) -> None:
         """This round's number of partners (``exchange`` sets it; a node may say it earlier)."""
         self.partners = max(1, n)
+
+    def held_payloads(self) -> int:
+        """Pushed payloads we hold: being received, or received and not yet taken by :meth:`exchange` (a flood
+        of finished payloads counts as much as one in flight)."""
+        waiting = sum(v is not None for m in self.mailbox.values() for v in m.values())
+        return waiting + sum(not i.pulled for i in self.incoming.values())
 
     @property
     def banned(self) -> set[str]:
@@ -171,8 +190,8 @@ class Gossip:
                 raise ProtocolViolation(ErrorCode.NOT_READY, "another transfer of this payload is under way")
             inc = None  # an abandoned transfer: start over
         if inc is None:
-            if not pulled and sum(not i.pulled for i in self.incoming.values()) >= self.max_payloads:
-                raise ProtocolViolation(ErrorCode.NOT_READY, f"receiving {self.max_payloads} payloads already")
+            if not pulled and self.held_payloads() >= self.max_payloads:
+                raise ProtocolViolation(ErrorCode.NOT_READY, f"holding {self.max_payloads} payloads already")
             inc = Incoming(t.xfer, self.codec.allocate(t.enc), set(self.codec.parts(t.enc)), self.clock(), pulled)
             self.incoming[key] = inc
         if inc.claimed & set(t.parts):
@@ -195,7 +214,7 @@ class Gossip:
                 self.stats.bytes_received += len(data)
                 inc.last_progress = self.clock()
                 pending.append(
-                    (part, asyncio.ensure_future(self.server.decode(self.codec.decode_part, inc.dest, part, data)))
+                    (part, asyncio.ensure_future(self.server.decode(self._decode_part, inc.dest, part, data)))
                 )
                 while len(pending) > 2:  # decode overlaps the wire; at most two parts held per stream
                     p, fut = pending.pop(0)
@@ -230,7 +249,8 @@ class Gossip:
             raise ProtocolViolation(_PAYLOAD_CODES[e.kind], str(e)) from None
         await self.stats.paths.arrived(round_idx, remote, pulled, self.p2p)  # how it came (peer/transport/paths.py)
         async with self.arrived:
-            self.mailbox[round_idx][remote] = payload
+            # A round whose exchange is over has no use for it (a pull that ended late): the key alone is kept.
+            self.mailbox[round_idx][remote] = None if round_idx in self.settled else payload
             self.arrived.notify_all()
         return True
 
@@ -314,6 +334,7 @@ class Gossip:
         by_lane: dict[int, list[int]] = {}  # bytes each stream put on the wire
 
         async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool, bool]:
+            await out.get(idx[0])  # the receiver's header clock starts when we dial: have data ready first
             link = await open_link(
                 self.p2p, peer, self.handler, self.limits, "send", n, clock=self.clock, loads=self.server.loads
             )
@@ -321,7 +342,6 @@ class Gossip:
             sent_here = by_lane[k] = [0]
             try:
                 parts = [out.parts[i] for i in idx]
-                await out.get(idx[0])  # the receiver's clock starts with our header: have data ready first
                 await link.write_header(push_header(self.run_id, out.round, self.me, out.xfer, k, n, out.enc, parts))
                 link.expect(sum(self.codec.max_part_bytes(p) for p in parts), n)
                 try:
@@ -404,7 +424,7 @@ class Gossip:
         self.set_partners(len(peers))
         if not peers:
             return {}
-        out = self.outgoing[round_idx] = Outgoing(round_idx, payload, self.codec, self.server, peers)
+        out = self.outgoing[round_idx] = Outgoing(round_idx, payload, self.codec, self.server, peers, self.stats)
         start = self.clock()
         out.serve_until = serve_until(start, self.limits)
         pushes = {p: asyncio.create_task(self.push(p, out)) for p in peers}
@@ -453,7 +473,11 @@ class Gossip:
             await asyncio.gather(*tasks, return_exceptions=True)
             for p in peers:
                 self.broken.pop((p, round_idx), None)
-        got = {p: v for p, v in self.mailbox.get(round_idx, {}).items() if p in set(peers)}
+        box = self.mailbox.get(round_idx, {})
+        got = {p: v for p, v in box.items() if p in set(peers) and v is not None}
+        for p in box:  # taken (or never to be used): the key stays, so a late push of it is answered "held"
+            box[p] = None
+        self.settled.add(round_idx)
         self.stats.exchanges_ok += len(got)
         self.stats.exchanges_failed += len(peers) - len(got)
         if got:
@@ -505,6 +529,7 @@ class Gossip:
             self.outgoing.pop(r).close()
         for key in [k for k in self.broken if k[1] < old]:
             del self.broken[key]
+        self.settled = {r for r in self.settled if r >= old}
         for d in (self.mailbox, self.unreachable, self.pull_hints):
             for r in [r for r in d if r < old]:
                 del d[r]

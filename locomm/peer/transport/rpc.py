@@ -158,9 +158,10 @@ class Link:
             await self._throttle(self.down, len(prefix) + len(raw))
         return decode_header(raw)
 
-    async def read_header(self) -> dict[str, Any]:
-        """A bounded header read: request_timeout_s for the whole header."""
-        return await self._read_frame(self.limits.request_timeout_s, "header")
+    async def read_header(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """A bounded header read: ``timeout_s`` (at most request_timeout_s) for the whole header."""
+        limit = self.limits.request_timeout_s
+        return await self._read_frame(limit if timeout_s is None else min(timeout_s, limit), "header")
 
     async def read_exact(self, n: int) -> bytearray:
         """Exactly ``n`` bytes (already bounded by a validated declaration), in chunks under the limits."""
@@ -338,6 +339,15 @@ class RpcServer:
         call: Call | None = None
         if self.open_streams.get(remote, 0) >= self.limits.max_streams_per_peer:
             return await self._refuse(service, remote, link, "too many open streams from this peer")
+        # Who may use the service is known from the stream alone: ask before it takes one of the slots every
+        # peer shares (an outsider's streams, slow headers and all, never hold an honest member's slot).
+        if (
+            self.authorize is not None
+            and not self.is_banned(remote)
+            and not await self.authorize(remote, service.policy)
+        ):
+            why = f"not allowed by the {service.policy!r} policy"
+            return await self._refuse(service, remote, link, why, ErrorCode.UNAUTHORIZED, DRAIN_BYTES)
         if self.inbound >= self.limits.max_inbound_streams:
             return await self._refuse(service, remote, link, "too many open streams")
         self.open_streams[remote] += 1
@@ -351,14 +361,12 @@ class RpcServer:
                     with contextlib.suppress(ProtocolViolation, TransferCut, ConnectionError):
                         await link.read_header()
                     raise ProtocolViolation(ErrorCode.BANNED, "banned")
-                header = await link.read_header()
+                header = await link.read_header(HEADER_TIMEOUT_S)
                 msg = validate_header(
                     header, run_id=self.run_id, expected=None, max_body_bytes=1 << 62, types=tuple(service.handlers)
                 )
                 if msg.sender != remote:
                     raise ProtocolViolation(ErrorCode.MALFORMED, "sender does not match the stream's peer id")
-                if self.authorize is not None and not await self.authorize(remote, service.policy):
-                    raise ProtocolViolation(ErrorCode.UNAUTHORIZED, f"not allowed by the {service.policy!r} policy")
                 call = Call(remote, msg, link, self)
                 await service.handlers[msg.type](call)
             except ProtocolViolation as v:
@@ -394,19 +402,30 @@ class RpcServer:
                 self.meters.remove(meter)
             writer.close()
 
-    async def _refuse(self, service: Service, remote: str, link: Link, why: str) -> None:
-        """A stream over a cap: NOT_READY at once (no header buffered), then a little of it drained, so the
-        answer is not lost to the reset of closing with unread bytes."""
-        self.stats.errors_answered[ErrorCode.NOT_READY.name] += 1
+    async def _refuse(
+        self,
+        service: Service,
+        remote: str,
+        link: Link,
+        why: str,
+        code: ErrorCode = ErrorCode.NOT_READY,
+        drain: int = 0,
+    ) -> None:
+        """A stream over a cap (or from a peer the policy refuses): ``code`` at once (no header buffered), then a
+        little of it drained, so the answer is not lost to the reset of closing with unread bytes."""
+        self.stats.errors_answered[code.name] += 1
         log.debug("%s from %s refused: %s", service.name, remote[-8:], why)
         try:
             with contextlib.suppress(Exception):
-                await link.write_header(response_header(ErrorCode.NOT_READY, why))
-            await link.discard(REFUSED_DRAIN_BYTES, DRAIN_S)
+                await link.write_header(response_header(code, why))
+            await link.discard(drain or REFUSED_DRAIN_BYTES, DRAIN_S)
         finally:
             link.writer.close()
 
 
+HEADER_TIMEOUT_S = 5.0
+"""A stream's header must arrive this soon after the stream opened (a sender writes it at once: it encodes
+first, then dials). A slow header holds one of the sender's own per-peer slots, and only that long."""
 DRAIN_BYTES = 8 << 20
 DRAIN_S = 1.0
 REFUSED_DRAIN_BYTES = 1 << 16

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import random
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ class GossipStats:
     last_exchange: float = 0.0
     up_Bps: float = 0.0
     """Measured upload rate (bytes/s per partner stream set), an EMA over pushes."""
+    encode_s: float = 0.0
+    """Codec-pool time spent encoding our payloads' parts (threads: it overlaps the wire and the compute)."""
+    decode_s: float = 0.0
+    """Codec-pool time spent decoding partners' parts."""
     paths: PathLog = field(default_factory=PathLog)
     """How each partner's payload arrived (pushed / pulled, direct / relayed): ``exchange`` events."""
 
@@ -71,7 +76,13 @@ class Outgoing:
     """One round's payload, encoded part by part in the codec pool once for every partner."""
 
     def __init__(
-        self, round_idx: int, payload: Mapping[str, Any], codec: PayloadCodec, server: RpcServer, peers: list[str]
+        self,
+        round_idx: int,
+        payload: Mapping[str, Any],
+        codec: PayloadCodec,
+        server: RpcServer,
+        peers: list[str],
+        stats: GossipStats | None = None,
     ) -> None:
         self.round = round_idx
         self.peers = set(peers)
@@ -86,7 +97,8 @@ class Outgoing:
         self.serve_until = math.inf
         """Pulls of it are served until then (``timing.serve_until``; the exchange sets it)."""
         loop = asyncio.get_running_loop()
-        self._futures = [loop.run_in_executor(server.pool, codec.encode_part, payload, p) for p in self.parts]
+        encode = codec.encode_part if stats is None else timed(codec.encode_part, stats, "encode_s")
+        self._futures = [loop.run_in_executor(server.pool, encode, payload, p) for p in self.parts]
 
     async def get(self, i: int) -> bytes:
         return await self._futures[i]
@@ -115,6 +127,19 @@ class Incoming:
     @property
     def complete(self) -> bool:
         return self.done == self.expected
+
+
+def timed(fn: Any, stats: GossipStats, key: str) -> Any:
+    """``fn``, adding the seconds each call takes to ``stats.<key>`` (from any thread)."""
+
+    def run(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            setattr(stats, key, getattr(stats, key) + time.perf_counter() - t0)
+
+    return run
 
 
 class EarlyReset(ConnectionError):

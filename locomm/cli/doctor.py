@@ -12,7 +12,15 @@ from pathlib import Path
 
 import click
 
-from locomm.cli.options import PRESETS, check_swarm_key, fail, load_spec, swarm_key_option
+from locomm.cli.options import (
+    PRESETS,
+    check_swarm_key,
+    fail,
+    listen_addrs,
+    listen_options,
+    load_spec,
+    swarm_key_option,
+)
 from locomm.config import ConfigError
 
 
@@ -24,14 +32,7 @@ from locomm.config import ConfigError
     "(dial-back, clock, throughput) are skipped.",
 )
 @swarm_key_option
-@click.option(
-    "--host-maddrs",
-    multiple=True,
-    default=["/ip4/0.0.0.0/tcp/0"],
-    show_default=True,
-    help="Where the peer will listen (as for join); the port must be free: run doctor before join, not beside it.",
-)
-@click.option("--announce-maddrs", multiple=True, help="Addresses others should dial (as for join).")
+@listen_options  # exactly join's: the port must be free, so run doctor before join, not beside it
 @click.option(
     "--checkpoint-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -50,6 +51,8 @@ def doctor(
     initial_peers: tuple[str, ...],
     swarm_key: Path | None,
     host_maddrs: tuple[str, ...],
+    port: int,
+    public_ip: str | None,
     announce_maddrs: tuple[str, ...],
     checkpoint_dir: Path | None,
     device: str,
@@ -62,6 +65,7 @@ def doctor(
     Exit status 0 when nothing FAILs, 1 otherwise (2: bad input).
     """
     try:
+        host_maddrs, announce_maddrs = listen_addrs(host_maddrs, port, public_ip, announce_maddrs)
         spec = load_spec(config, preset or (None if config else "nano"))
         key = check_swarm_key(swarm_key)
         if any("/p2p/" not in m for m in initial_peers):

@@ -50,6 +50,7 @@ from locomm.cli.swarm_view import (
 )
 from locomm.config import RunSpec
 from locomm.peer.lifeline import MARKER, Reaper, pdeath_argv
+from locomm.peer.options import local_defaults
 
 __all__ = [
     "STARTUP_TIMEOUT_S",
@@ -185,6 +186,7 @@ class PeerGroup:
         i = len(self.procs)
         cmd = [sys.executable, "-m", "locomm.cli.main", "join", "--config", str(self.spec_path)]
         cmd += ["--log-file", str(self.folder / f"peer{i}.jsonl"), *args]
+        cmd += local_defaults(cmd)  # loopback unless told; --new-swarm for the first
         err = open(self.folder / f"peer{i}.err", "w")  # noqa: SIM115 - closed on exit
         self._errs.append(err)
         # Share the cores instead of every peer's torch grabbing all of them.

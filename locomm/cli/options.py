@@ -51,6 +51,52 @@ def load_spec(config: str | None, preset: str | None) -> RunSpec:
     return RunSpec.preset(preset or os.environ.get("LOCOMM_PRESET", "tiny"))
 
 
+DEFAULT_PORT = 31337
+"""The TCP port ``join`` and ``doctor`` listen on by default, on every interface (``--port`` changes it)."""
+
+
+def listen_options(f: F) -> F:
+    """``--host-maddrs``, ``--port``, ``--public-ip``, ``--announce-maddrs``: where a peer listens and what it
+    announces (join and doctor share them, so doctor checks exactly what join would run)."""
+    f = click.option("--announce-maddrs", multiple=True, help="Addresses others should dial (NAT, port forward).")(f)
+    f = click.option(
+        "--public-ip",
+        help="This machine's public IP (a forwarded port): announces /ip4/IP/tcp/PORT for others to dial.",
+    )(f)
+    f = click.option(
+        "--port",
+        type=click.IntRange(0, 65535),
+        default=DEFAULT_PORT,
+        show_default=True,
+        help="TCP port to listen on, every interface (0: any free port).",
+    )(f)
+    return click.option(
+        "--host-maddrs",
+        multiple=True,
+        help="Where p2pd listens, as multiaddrs (overrides --port), e.g. /ip4/127.0.0.1/tcp/0 for this machine only.",
+    )(f)
+
+
+def listen_addrs(
+    host_maddrs: tuple[str, ...], port: int, public_ip: str | None, announce_maddrs: tuple[str, ...]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(host_maddrs, announce_maddrs) from the listen options: every interface on ``port`` unless
+    ``--host-maddrs`` says otherwise; ``--public-ip`` adds /ip4/IP/tcp/PORT to what is announced."""
+    hosts = tuple(host_maddrs) or (f"/ip4/0.0.0.0/tcp/{port}",)
+    announce = tuple(announce_maddrs)
+    if public_ip:
+        import ipaddress  # noqa: PLC0415
+
+        try:
+            ip = ipaddress.ip_address(public_ip)
+        except ValueError:
+            raise ConfigError(f"--public-ip: not an IP address: {public_ip!r}") from None
+        if port == 0:
+            raise ConfigError("--public-ip needs a fixed --port (others dial IP:PORT), not 0")
+        announce += (f"/ip{ip.version}/{ip}/tcp/{port}",)
+    return hosts, announce
+
+
 def fail(msg: str) -> None:
     """A user's error: one line on stderr, exit status 2 (never a traceback)."""
     click.echo(f"error: {msg}", err=True)

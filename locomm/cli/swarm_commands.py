@@ -18,6 +18,8 @@ from locomm.cli.options import (
     check_swarm_key,
     emit_json,
     fail,
+    listen_addrs,
+    listen_options,
     load_spec,
     parse_islands,
     parse_pipeline,
@@ -28,8 +30,12 @@ from locomm.config import ConfigError
 
 
 @click.command()
+@click.option("--initial-peers", multiple=True, help="Multiaddr of a peer in the swarm (repeatable).")
 @click.option(
-    "--initial-peers", multiple=True, help="Multiaddr of a peer in the swarm (repeatable). None: start a new swarm."
+    "--new-swarm",
+    is_flag=True,
+    help="Start a new swarm (no --initial-peers): say so, so that a missing "
+    "--initial-peers is an error, not a swarm of one.",
 )
 @click.option(
     "--config",
@@ -44,14 +50,7 @@ from locomm.config import ConfigError
     help="Outer algorithm of a new swarm (diloco: over hivemind's DecentralizedAverager).",
 )
 @click.option("--inner-steps", type=int, help="H of a new swarm.")
-@click.option(
-    "--host-maddrs",
-    multiple=True,
-    default=["/ip4/127.0.0.1/tcp/0"],
-    show_default=True,
-    help="Where p2pd listens; /ip4/0.0.0.0/tcp/31337 to accept peers from other machines.",
-)
-@click.option("--announce-maddrs", multiple=True, help="Addresses others should dial (behind NAT/port forward).")
+@listen_options
 @click.option(
     "--no-relay",
     is_flag=True,
@@ -134,11 +133,14 @@ from locomm.config import ConfigError
 @click.option("-v", "--verbose", count=True)
 def join(
     initial_peers: tuple[str, ...],
+    new_swarm: bool,
     config: str | None,
     preset: str | None,
     algo: str | None,
     inner_steps: int | None,
     host_maddrs: tuple[str, ...],
+    port: int,
+    public_ip: str | None,
     announce_maddrs: tuple[str, ...],
     no_relay: bool,
     no_auto_relay: bool,
@@ -182,6 +184,14 @@ def join(
     to stderr (stdout keeps the --json line); -q silences it.
     """
     try:
+        if not initial_peers and not new_swarm and resume_from is None and not plan_only:
+            raise ConfigError(
+                "no swarm to join: pass --initial-peers MULTIADDR (a peer's address, as it prints it), "
+                "or --new-swarm to start one"
+            )
+        if initial_peers and new_swarm:
+            raise ConfigError("--new-swarm starts a swarm; --initial-peers joins one: give one of them")
+        host_maddrs, announce_maddrs = listen_addrs(host_maddrs, port, public_ip, announce_maddrs)
         spec = load_spec(config, preset or (None if config else "nano"))
         if not config:
             spec = spec.replace(

@@ -121,3 +121,13 @@ class NodeOptions:
         relays = [m for m in (self.relays or initial_peers) if "/p2p/" in m] if auto else []
         kw: dict[str, Any] = {"use_relay": self.relay, "use_auto_relay": auto, "force_reachability": self.reachability}
         return {**kw, "trusted_relays": relays} if relays else kw
+
+
+def local_defaults(argv: Sequence[str]) -> list[str]:
+    """What a test's or local swarm's ``join`` adds to ``argv``: loopback, any port, unless it says where to
+    listen (``join`` listens on every interface on a fixed port by default); ``--new-swarm`` for the first
+    peer (no ``--initial-peers``, nothing resumed)."""
+    extra = [] if "--host-maddrs" in argv else ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    if not any(a in argv for a in ("--initial-peers", "--new-swarm", "--resume-from", "--plan")):
+        extra.append("--new-swarm")
+    return extra

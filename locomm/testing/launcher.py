@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from locomm.cli.swarm_view import read_events
+from locomm.peer.options import local_defaults
 
 Spawn = Callable[..., subprocess.Popen]
 """``spawn(argv, **popen_kwargs) -> Popen``: how a peer's command is started (default ``subprocess.Popen``)."""
@@ -249,6 +250,7 @@ class Launcher:
         if initial_peers:
             for m in [initial_peers] if isinstance(initial_peers, str) else initial_peers:
                 cmd += ["--initial-peers", m]
+        cmd += local_defaults(cmd)
         full_env = dict(os.environ)
         if self.threads is not None:
             full_env["OMP_NUM_THREADS"] = str(self.threads)

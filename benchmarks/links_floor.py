@@ -47,7 +47,8 @@ def floor(shaped: dict[str, Any], unshaped: dict[str, Any]) -> dict[str, Any]:
     hidden_short = [max(0.0, exchange_s - u[k + 1]) for k in range(len(u) - 1)]
     f = unshaped["totals"]["wall_s"] + sum(hidden_short) + exchange_s
     ends = [r[-1]["time"] for r in rounds_of(shaped)]
-    waits = [e.get("wait_s", 0.0) for r in rounds_of(shaped) for e in r]
+    # wait_s in a round event is the peer's total so far: a round's own wait is the difference
+    waits = [b.get("wait_s", 0.0) - a.get("wait_s", 0.0) for r in rounds_of(shaped) for a, b in zip([{}, *r], r)]
     sums = tot.get("other_sums", {})
     return {
         "shaped": shaped.get("_path"),

@@ -97,6 +97,27 @@ def listen_addrs(
     return hosts, announce
 
 
+class MemorySize(click.ParamType):
+    """A memory size as accelerate and Petals write it: ``8GiB``, ``8GB``, ``512MiB``, or a bare number of GiB;
+    the value is in GiB (what the memory plan takes)."""
+
+    name = "size"
+    UNITS = {"": 1.0, "g": 1.0, "gib": 1.0, "gb": 1e9 / 2**30, "m": 1 / 1024, "mib": 1 / 1024, "mb": 1e6 / 2**30}
+    UNITS |= {"t": 1024.0, "tib": 1024.0, "tb": 1e12 / 2**30}
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        text = str(value).strip().lower().replace(" ", "")
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(num) :]
+        try:
+            gib = float(num) * self.UNITS[unit]
+        except (ValueError, KeyError):
+            self.fail(f"{value!r}: a size such as 8GiB, 8GB, 512MiB or 8 (GiB)", param, ctx)
+        return gib
+
+
 def fail(msg: str) -> None:
     """A user's error: one line on stderr, exit status 2 (never a traceback)."""
     click.echo(f"error: {msg}", err=True)

@@ -15,6 +15,7 @@ import click
 
 from locomm.cli.options import (
     PRESETS,
+    MemorySize,
     check_swarm_key,
     emit_json,
     fail,
@@ -106,8 +107,9 @@ from locomm.config import ConfigError
 )
 @click.option(
     "--max-memory",
-    type=float,
-    help="GB the inner step may use (default: the device's free memory); picks micro-batch and accumulation.",
+    type=MemorySize(),
+    help="Memory the inner step may use, e.g. 8GiB, 8GB, 512MiB (a bare number: GiB; default: the device's "
+    "free memory); picks micro-batch and accumulation.",
 )
 @click.option("--plan", "plan_only", is_flag=True, help="Print the memory plan for --max-memory and exit.")
 @click.option("--max-upload-mbit", type=float, help="Cap this peer's upload (all streams and services).")

@@ -43,3 +43,15 @@ def test_join_and_doctor_listen_on_every_interface_on_one_port_by_default():
 def test_tests_and_local_swarms_keep_loopback_explicitly():
     assert local_defaults(["--until-round", "3"]) == ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--new-swarm"]
     assert local_defaults(["--initial-peers", "M", "--host-maddrs", "/ip4/10.0.0.2/tcp/0"]) == []
+
+
+def test_max_memory_takes_sizes_as_accelerate_and_petals_write_them():
+    from locomm.cli.options import MemorySize
+
+    m = MemorySize()
+    assert [m.convert(v, None, None) for v in ("8", "8GiB", "8 gib", "512MiB", "2T")] == [8.0, 8.0, 8.0, 0.5, 2048.0]
+    assert abs(m.convert("8GB", None, None) - 8e9 / 2**30) < 1e-12
+    with pytest.raises(Exception, match="a size such as 8GiB"):
+        m.convert("8XB", None, None)
+    r = join("--plan", "--preset", "small", "--device", "cuda", "--max-memory", "8GiB", "--json")
+    assert r.returncode == 0, r.stderr

@@ -29,7 +29,7 @@ class Metrics:
         if port is None:
             self._g = None
             return
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server  # noqa: PLC0415
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server  # noqa: PLC0415
 
         reg = CollectorRegistry()
         gauges = {
@@ -38,6 +38,9 @@ class Metrics:
             "loss": ("locomm_train_loss", "Training loss (nats/byte)"),
             "tokens_per_s": ("locomm_tokens_per_second", "Training throughput"),
             "members": ("locomm_members", "Members of the current round"),
+        }
+        # Totals that only grow are Counters (exposed as <name>_total, what rate() and increase() expect).
+        counters = {
             "bytes_sent": ("locomm_bytes_sent", "Payload bytes sent"),
             "bytes_received": ("locomm_bytes_received", "Payload bytes received"),
             "wait_s": ("locomm_compute_wait_seconds", "Time compute waited on the network"),
@@ -46,6 +49,11 @@ class Metrics:
             key: Gauge(name, doc, registry=reg, labelnames=["peer"]).labels(peer=peer[-12:])
             for key, (name, doc) in gauges.items()
         }
+        self._c = {
+            key: Counter(name, doc, registry=reg, labelnames=["peer"]).labels(peer=peer[-12:])
+            for key, (name, doc) in counters.items()
+        }
+        self._last: dict[str, float] = {}
         try:
             self._server, _ = start_http_server(port, addr=host, registry=reg)
         except OSError as e:  # a bad address or a taken port: one line for the user, not a traceback
@@ -58,6 +66,11 @@ class Metrics:
         for k, v in values.items():
             if k in self._g:
                 self._g[k].set(v)
+            elif k in self._c and v is not None:
+                grew = float(v) - self._last.get(k, 0.0)
+                if grew > 0:  # the peer's own total: the counter takes what it grew by
+                    self._c[k].inc(grew)
+                    self._last[k] = float(v)
 
     def close(self) -> None:
         if self._server is not None:

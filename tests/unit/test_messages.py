@@ -99,10 +99,13 @@ def test_members_for_round():
 def test_metrics_are_served():
     m = Metrics(0, "12D3KooWpeer")
     try:
-        m.set(round=4, loss=1.5)
+        m.set(round=4, loss=1.5, bytes_sent=1000)
+        m.set(bytes_sent=2500)
         text = urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=10).read().decode()
         assert 'locomm_round{peer="12D3KooWpeer"} 4.0' in text
         assert "locomm_train_loss" in text
+        assert 'locomm_bytes_sent_total{peer="12D3KooWpeer"} 2500.0' in text  # a Counter, as Prometheus expects
+        assert "# TYPE locomm_bytes_sent_total counter" in text
     finally:
         m.close()
 

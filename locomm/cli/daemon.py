@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from typing import Any
@@ -15,10 +16,22 @@ from locomm.peer.dataparallel.node import Node
 from locomm.peer.options import NodeOptions
 
 
-def setup_logging(verbose: int) -> None:
+class JsonLines(logging.Formatter):
+    """One JSON object a line (time, level, logger, message; the traceback when there is one), for log
+    collectors that read JSON, beside the event log (``--log-file``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": record.created, "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(verbose: int, log_format: str = "text") -> None:
     level = logging.DEBUG if verbose > 1 else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    plain = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler.setFormatter(JsonLines() if log_format == "json" else plain)
     ours = logging.getLogger("locomm")
     ours.handlers[:] = [handler]
     ours.setLevel(level)
@@ -36,7 +49,7 @@ def run_node(
     terminal, plain lines per round otherwise, nothing with ``quiet``. It goes to stderr: stdout stays free
     for ``--json``. ``reporter.close()`` runs whatever happens (it restores the terminal).
     """
-    setup_logging(verbose)  # -q keeps the log lines: it silences the reporter only
+    setup_logging(verbose, options.pop("log_format", "text"))  # -q keeps the log lines: it silences the reporter only
     lifeline.install()  # p2pd and DiLoCo's forked helpers die with this process, even SIGKILLed
     stage = options.pop("stage", None)
     if reporter is None:

@@ -92,6 +92,13 @@ from locomm.config import ConfigError
     help="Address the metrics server binds; 0.0.0.0: every interface (a container's published port).",
 )
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="JSON-lines event log.")
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="The log lines on stderr: text, or one JSON object a line (for log collectors).",
+)
 @click.option("--rounds", type=int, help="Stop after this many rounds.")
 @click.option("--shard", help="Data shard as INDEX/COUNT (default: from the peer id).")
 @click.option("--no-overlap", is_flag=True, help="Apply each exchange before the next inner step.")
@@ -157,6 +164,7 @@ def join(
     metrics_port: int | None,
     metrics_host: str,
     log_file: Path | None,
+    log_format: str,
     rounds: int | None,
     shard: str | None,
     no_overlap: bool,
@@ -280,6 +288,7 @@ def join(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         log_file=log_file,
+        log_format=log_format,
         rounds=rounds,
         shard=shard_t,
         overlap=not no_overlap,

@@ -55,3 +55,14 @@ def test_max_memory_takes_sizes_as_accelerate_and_petals_write_them():
         m.convert("8XB", None, None)
     r = join("--plan", "--preset", "small", "--device", "cuda", "--max-memory", "8GiB", "--json")
     assert r.returncode == 0, r.stderr
+
+
+def test_log_lines_as_json():
+    import json
+    import logging
+
+    from locomm.cli.daemon import JsonLines
+
+    rec = logging.LogRecord("locomm.peer.host", logging.INFO, __file__, 1, "peer %s up", ("QmX",), None)
+    line = json.loads(JsonLines().format(rec))
+    assert line["level"] == "INFO" and line["logger"] == "locomm.peer.host" and line["msg"] == "peer QmX up"

@@ -8,6 +8,7 @@ are listed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -20,82 +21,118 @@ from rich.table import Table
 STALE_AFTER_S = 15.0
 
 
-async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> dict[str, Any]:
-    from hivemind.dht import DHTNode  # noqa: PLC0415
-    from hivemind.p2p import P2P  # noqa: PLC0415
-    from hivemind.utils import get_dht_time  # noqa: PLC0415
+class SwarmReader:
+    """One DHT client on the swarm, kept open: ``read()`` returns a snapshot each time it is called (``status
+    --watch`` polls one, instead of a new p2pd and DHT node per refresh, which took tens of seconds on 2 cores).
+    The run spec is looked up once, then only the heartbeats are read."""
 
-    from locomm.config import RunSpec  # noqa: PLC0415
-    from locomm.peer.transport.records import SwarmKey, SwarmValidator  # noqa: PLC0415
-    from locomm.peer.transport.swarm import fetch_spec, peer_ids_of, read_heartbeats  # noqa: PLC0415
+    def __init__(self, initial_peers: list[str], swarm_key: Path | None = None) -> None:
+        from locomm.peer.transport.records import SwarmKey, SwarmValidator  # noqa: PLC0415
+        from locomm.peer.transport.swarm import peer_ids_of  # noqa: PLC0415
 
-    trusted = peer_ids_of(initial_peers)
-    if not trusted:
-        return {"error": "--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>"}
-    key = SwarmKey.load(swarm_key) if swarm_key is not None else None
-    validator = SwarmValidator(swarm_key=key)  # a reader: checks every record, signs none
-    for peer in trusted:
-        validator.trust(peer)
-    p2p = await P2P.create(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers, client_mode=True, record_validator=validator)
+        self.initial_peers = initial_peers
+        self.trusted = peer_ids_of(initial_peers)
+        self.key = SwarmKey.load(swarm_key) if swarm_key is not None else None
+        self.validator = SwarmValidator(swarm_key=self.key)  # a reader: checks every record, signs none
+        for peer in self.trusted:
+            self.validator.trust(peer)
+        self.p2p: Any = None
+        self.dht: Any = None
+        self.spec: dict[str, Any] | None = None
+
+    async def __aenter__(self) -> SwarmReader:
+        from hivemind.dht import DHTNode  # noqa: PLC0415
+        from hivemind.p2p import P2P  # noqa: PLC0415
+
+        self.p2p = await P2P.create(initial_peers=self.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
-            spec = None
+            self.dht = await DHTNode.create(
+                p2p=self.p2p, initial_peers=self.initial_peers, client_mode=True, record_validator=self.validator
+            )
+        except BaseException:
+            await self.p2p.shutdown()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            if self.dht is not None:
+                await self.dht.shutdown()
+        finally:
+            await self.p2p.shutdown()
+
+    async def read(self) -> dict[str, Any]:
+        from hivemind.utils import get_dht_time  # noqa: PLC0415
+
+        from locomm.config import RunSpec  # noqa: PLC0415
+        from locomm.peer.transport.swarm import fetch_spec, read_heartbeats  # noqa: PLC0415
+
+        if self.spec is None:
             for _ in range(6):  # a fresh client's first lookups can miss
-                specs = [await fetch_spec(dht, peer) for peer in trusted]
-                spec = next((s for s in specs if s is not None), None)
-                if spec is not None:
+                specs = [await fetch_spec(self.dht, peer) for peer in self.trusted]
+                self.spec = next((s for s in specs if s is not None), None)
+                if self.spec is not None:
                     break
                 await asyncio.sleep(0.5)
-            if spec is None:
-                what = "that verifies with this --swarm-key" if key is not None else "signed by the --initial-peers"
-                return {"error": f"no locomm run spec {what} in this DHT"}
-            if spec["closed"] and key is None:
-                return {"error": "this swarm is closed: pass --swarm-key"}
-            run_id = spec["hash"][:16]
-            validator.set_run(run_id, RunSpec.from_toml(spec["toml"]).network.heartbeat_ttl_s)
-            beats = await read_heartbeats(dht, run_id)
-            now = get_dht_time()
-            peers = []
-            for b in beats:
-                peers.append(
-                    {
-                        "peer": b.peer,
-                        "round": b.round,
-                        "join_round": b.join_round,
-                        "admitted": b.admitted,
-                        "step": b.step,
-                        "loss": b.loss,
-                        "val_loss": b.val_loss,
-                        "tokens_per_s": b.tokens_per_s,
-                        "bytes_sent": b.bytes_sent,
-                        "last_exchange_s_ago": (time.time() - b.last_exchange) if b.last_exchange else None,
-                        "heartbeat_age_s": now - (b.time or now),
-                        "version": b.version,
-                        "state": "left" if b.finished else "paused" if b.paused else "training",
-                        "eta_s": b.eta_s,
-                        "island": b.island or None,
-                        "island_rep": b.island_rep,
-                        # pipeline mode: the stage this peer serves, its micro-batches/s, re-routes, losses
-                        **(
-                            {"stage": b.stage, "mb_per_s": b.mb_per_s, "rerouted": b.rerouted, "lost": b.lost}
-                            if b.stage is not None
-                            else {}
-                        ),
-                    }
+            if self.spec is None:
+                signed = (
+                    "that verifies with this --swarm-key" if self.key is not None else "signed by the --initial-peers"
                 )
-            return {
-                "run": run_id,
-                "spec_hash": spec["hash"],
-                "protocol_version": spec["version"],
-                "closed": spec["closed"],
-                "peers": peers,
-                "islands": islands_of(peers),
-            }
-        finally:
-            await dht.shutdown()
-    finally:
-        await p2p.shutdown()
+                return {"error": f"no locomm run spec {signed} in this DHT"}
+            if self.spec["closed"] and self.key is None:
+                self.spec = None  # looked up again next time, with the key the user passes then
+                return {"error": "this swarm is closed: pass --swarm-key"}
+            self.validator.set_run(self.spec["hash"][:16], RunSpec.from_toml(self.spec["toml"]).network.heartbeat_ttl_s)
+        spec = self.spec
+        run_id = spec["hash"][:16]
+        beats = await read_heartbeats(self.dht, run_id)
+        now = get_dht_time()
+        peers = []
+        for b in beats:
+            peers.append(
+                {
+                    "peer": b.peer,
+                    "round": b.round,
+                    "join_round": b.join_round,
+                    "admitted": b.admitted,
+                    "step": b.step,
+                    "loss": b.loss,
+                    "val_loss": b.val_loss,
+                    "tokens_per_s": b.tokens_per_s,
+                    "bytes_sent": b.bytes_sent,
+                    "last_exchange_s_ago": (time.time() - b.last_exchange) if b.last_exchange else None,
+                    "heartbeat_age_s": now - (b.time or now),
+                    "version": b.version,
+                    "state": "left" if b.finished else "paused" if b.paused else "training",
+                    "eta_s": b.eta_s,
+                    "island": b.island or None,
+                    "island_rep": b.island_rep,
+                    # pipeline mode: the stage this peer serves, its micro-batches/s, re-routes, losses
+                    **(
+                        {"stage": b.stage, "mb_per_s": b.mb_per_s, "rerouted": b.rerouted, "lost": b.lost}
+                        if b.stage is not None
+                        else {}
+                    ),
+                }
+            )
+        return {
+            "run": run_id,
+            "spec_hash": spec["hash"],
+            "protocol_version": spec["version"],
+            "closed": spec["closed"],
+            "peers": peers,
+            "islands": islands_of(peers),
+        }
+
+
+async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> dict[str, Any]:
+    """One read of the swarm (a client opened and closed)."""
+    from locomm.peer.transport.swarm import peer_ids_of  # noqa: PLC0415
+
+    if not peer_ids_of(initial_peers):
+        return {"error": "--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>"}
+    async with SwarmReader(initial_peers, swarm_key) as reader:
+        return await reader.read()
 
 
 def islands_of(peers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -177,24 +214,45 @@ def _f(x: Any, fmt: str = "{:.3f}") -> str:
 
 def show_status(initial_peers: list[str], *, watch: bool, as_json: bool, swarm_key: Path | None = None) -> None:
     console = Console()
-    try:
-        while True:
-            try:
-                snap = asyncio.run(asyncio.wait_for(snapshot(initial_peers, swarm_key), 60))
-            except Exception as e:  # unreachable swarm, bad multiaddr: one line, not a traceback
-                snap = {"error": f"cannot read the swarm: {type(e).__name__}: {e}"}
-            if "error" in snap:
-                print(f"error: {snap['error']}", file=sys.stderr)
+
+    async def run() -> None:
+        from locomm.peer.transport.swarm import peer_ids_of  # noqa: PLC0415
+
+        if not peer_ids_of(initial_peers):
+            print("error: --initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>", file=sys.stderr)
+            sys.exit(2)
+        reader: SwarmReader | None = None
+        try:
+            while True:
+                try:
+                    if reader is None:  # one client for every refresh; a new one only after a failure
+                        reader = await asyncio.wait_for(SwarmReader(initial_peers, swarm_key).__aenter__(), 60)
+                    snap = await asyncio.wait_for(reader.read(), 60)
+                except Exception as e:  # unreachable swarm, bad multiaddr: one line, not a traceback
+                    snap = {"error": f"cannot read the swarm: {type(e).__name__}: {e}"}
+                    if reader is not None:
+                        with contextlib.suppress(Exception):
+                            await reader.__aexit__(None, None, None)
+                        reader = None
+                if "error" in snap:
+                    print(f"error: {snap['error']}", file=sys.stderr)
+                    if not watch:
+                        sys.exit(2)
+                    await asyncio.sleep(2)  # --watch outlives a swarm that is restarting or not up yet
+                    continue
+                if as_json:
+                    print(json.dumps(snap, sort_keys=True, default=float), flush=True)
+                else:
+                    console.print(render(snap))
                 if not watch:
-                    sys.exit(2)
-                time.sleep(2)  # --watch outlives a swarm that is restarting or not up yet: try again
-                continue
-            if as_json:
-                print(json.dumps(snap, sort_keys=True, default=float), flush=True)
-            else:
-                console.print(render(snap))
-            if not watch:
-                return
-            time.sleep(2)
+                    return
+                await asyncio.sleep(2)
+        finally:
+            if reader is not None:
+                with contextlib.suppress(Exception):
+                    await reader.__aexit__(None, None, None)
+
+    try:
+        asyncio.run(run())
     except KeyboardInterrupt:
         return

@@ -423,7 +423,7 @@ class RpcServer:
             link.writer.close()
 
 
-HEADER_TIMEOUT_S = 5.0
+HEADER_TIMEOUT_S = 10.0
 """A stream's header must arrive this soon after the stream opened (a sender writes it at once: it encodes
 first, then dials). A slow header holds one of the sender's own per-peer slots, and only that long."""
 DRAIN_BYTES = 8 << 20

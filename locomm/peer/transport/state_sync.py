@@ -323,8 +323,10 @@ async def fetch_state(
             try:
                 resp, _ = await request(p2p, peer, handler, state_manifest_header(run_id, me), limits)
             except ProtocolViolation as v:
-                # Our heartbeat may not have reached the donor's view of the DHT yet: ask again shortly.
-                if v.code in (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_READY) and attempt < UNAUTHORIZED_RETRIES:
+                # Our heartbeat may not have reached the donor's view of the DHT yet, or the request was slow to
+                # arrive on a loaded machine (TIMEOUT): ask again shortly.
+                retry = (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_READY, ErrorCode.TIMEOUT)
+                if v.code in retry and attempt < UNAUTHORIZED_RETRIES:
                     await asyncio.sleep(1.0 + attempt)
                     continue
                 log.info("donor %s gave no manifest: %s", peer[-8:], v)  # its refusal: not a fault

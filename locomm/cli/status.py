@@ -61,11 +61,10 @@ class SwarmReader:
         finally:
             await self.p2p.shutdown()
 
-    async def read(self) -> dict[str, Any]:
-        from hivemind.utils import get_dht_time  # noqa: PLC0415
-
+    async def find_spec(self) -> str | None:
+        """Look up the run spec the trusted peers sign (once); an error message, or None when it is found."""
         from locomm.config import RunSpec  # noqa: PLC0415
-        from locomm.peer.transport.swarm import fetch_spec, read_heartbeats  # noqa: PLC0415
+        from locomm.peer.transport.swarm import fetch_spec  # noqa: PLC0415
 
         if self.spec is None:
             for _ in range(6):  # a fresh client's first lookups can miss
@@ -78,12 +77,22 @@ class SwarmReader:
                 signed = (
                     "that verifies with this --swarm-key" if self.key is not None else "signed by the --initial-peers"
                 )
-                return {"error": f"no locomm run spec {signed} in this DHT"}
+                return f"no locomm run spec {signed} in this DHT"
             if self.spec["closed"] and self.key is None:
                 self.spec = None  # looked up again next time, with the key the user passes then
-                return {"error": "this swarm is closed: pass --swarm-key"}
+                return "this swarm is closed: pass --swarm-key"
             self.validator.set_run(self.spec["hash"][:16], RunSpec.from_toml(self.spec["toml"]).network.heartbeat_ttl_s)
+        return None
+
+    async def read(self) -> dict[str, Any]:
+        from hivemind.utils import get_dht_time  # noqa: PLC0415
+
+        from locomm.peer.transport.swarm import read_heartbeats  # noqa: PLC0415
+
+        if (error := await self.find_spec()) is not None:
+            return {"error": error}
         spec = self.spec
+        assert spec is not None
         run_id = spec["hash"][:16]
         beats = await read_heartbeats(self.dht, run_id)
         now = get_dht_time()
@@ -123,6 +132,21 @@ class SwarmReader:
             "peers": peers,
             "islands": islands_of(peers),
         }
+
+
+async def swarm_spec_toml(initial_peers: list[str], swarm_key: Path | None = None) -> str:
+    """The TOML of the run spec the swarm's named peers sign (``join --plan --initial-peers``: plan the batch
+    of the swarm one is about to join, not a local preset). Raises ConfigError when there is none."""
+    from locomm.config import ConfigError  # noqa: PLC0415
+    from locomm.peer.transport.swarm import peer_ids_of  # noqa: PLC0415
+
+    if not peer_ids_of(initial_peers):
+        raise ConfigError("--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>")
+    async with SwarmReader(initial_peers, swarm_key) as reader:
+        if (error := await reader.find_spec()) is not None:
+            raise ConfigError(error)
+        assert reader.spec is not None
+        return str(reader.spec["toml"])
 
 
 async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> dict[str, Any]:

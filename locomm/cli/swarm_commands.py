@@ -251,6 +251,20 @@ def join(
         if plan_only:
             from locomm.train import peer_plan, resolve_device  # noqa: PLC0415 - imports torch
 
+            if initial_peers and not config:  # the swarm's own batch and model, signed by the peers it names
+                import asyncio  # noqa: PLC0415
+
+                from locomm.cli.status import swarm_spec_toml  # noqa: PLC0415 - imports hivemind
+                from locomm.config import RunSpec  # noqa: PLC0415
+
+                try:
+                    toml = asyncio.run(asyncio.wait_for(swarm_spec_toml(list(initial_peers), swarm_key), 90))
+                except ConfigError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - p2pd and the DHT fail in many ways: one line, no traceback
+                    raise ConfigError(f"--plan: cannot read the swarm's spec: {type(e).__name__}: {e}") from None
+                spec = RunSpec.from_toml(toml)
+
             try:
                 dev = resolve_device(device)
             except ValueError as e:  # with --max-memory a plan is arithmetic: a CUDA plan on a machine without one

@@ -3,6 +3,7 @@ from its peers' checkpoints after every peer stopped. Real `locomm-peer join` pr
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -209,3 +210,30 @@ def test_pipeline_stage_pause_and_resume(tmp_path, launcher):
     for p in peers:
         assert p.wait(timeout=120) == 0, p.tail()
     assert s0.events("finished") and s2.events("finished")
+
+
+def test_join_plan_with_initial_peers_plans_the_swarms_signed_spec(tmp_path, launcher):
+    """`join --plan --initial-peers` plans the batch of the swarm one is about to join (its signed spec: here
+    batch 8 x 64), not the local preset (nano: a different batch), and trains nothing: no heartbeat, no member."""
+    cfg = spec_file(tmp_path)
+    peer = launcher.start("p0", "--until-round", "100000", config=cfg)
+    boot = peer.address()
+    r = subprocess.run(
+        [sys.executable, "-m", "locomm.cli.main", "join", "--plan", "--initial-peers", boot]
+        + ["--device", "cpu", "--max-memory", "8GiB", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout.strip().splitlines()[-1])
+    swarm, local = RunSpec.load(cfg), RunSpec.preset("nano")
+    assert (plan["batch_size"], plan["seq_len"]) == (swarm.data.batch_size, swarm.data.seq_len) == (8, 64)
+    assert (local.data.batch_size, local.data.seq_len) != (8, 64)
+    status = subprocess.run(
+        [sys.executable, "-m", "locomm.cli.main", "status", "--initial-peers", boot, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert len(json.loads(status.stdout.strip().splitlines()[-1])["peers"]) == 1  # it joined nothing

@@ -36,6 +36,13 @@ PRIVATE_DIR_MODE = 0o700
 """Folders locomm creates for the user's files (a checkpoint folder): only the user may list or read them."""
 
 
+def private_dir(folder: Path) -> None:
+    """Create ``folder`` (and its parents) if it is missing, the last one 0700: the user's alone. A folder that
+    exists is left as it is (its owner chose its mode)."""
+    if not folder.exists():
+        folder.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+
+
 def check_private(path: Path, what: str) -> None:
     """Refuse a secret (an identity key, a swarm secret) that others than its owner can read, saying how to fix
     it (ssh does the same for its keys). Raises ``ValueError`` with the message; callers turn it into their
@@ -59,8 +66,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     Parent folders are created (the last one 0700). The file is 0600 (``mkstemp``'s mode).
     """
     path = Path(path)
-    if not path.parent.exists():  # a folder we create is the user's alone; an existing one is left as it is
-        path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    private_dir(path.parent)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     os.close(fd)
     tmp = Path(name)

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from locomm.atomic import PRIVATE_DIR_MODE
+from locomm.atomic import private_dir
 from locomm.config import ConfigError
 
 __all__ = ["CONTROL_NAME", "ControlError", "ControlServer", "control_path", "control_request"]
@@ -68,8 +68,7 @@ class ControlServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        if not self.path.parent.exists():  # the checkpoint folder: the user's alone
-            self.path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        private_dir(self.path.parent)  # the checkpoint folder: the user's alone
         if self.path.exists() or self.path.is_symlink():
             if _answers(self.path):
                 raise ControlError(f"{self.path}: another peer is running on this checkpoint folder")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from locomm.atomic import PRIVATE_DIR_MODE
+from locomm.atomic import private_dir
 from locomm.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,7 @@ class EventLog:
         self._lock = threading.Lock()
         self.dropped = 0
         if path is not None:
-            if not path.parent.exists():
-                path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+            private_dir(path.parent)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # the user's alone, as every file
             self._f = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 

@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from locomm.atomic import private_dir
+
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = re.compile(r"hivemind-p2p(d|client)-[A-Za-z0-9_-]{1,64}\.sock")
@@ -59,7 +61,7 @@ def record(p2p: Any, where: Path | None = None) -> Path | None:
         return None
     folder = where or records_dir()
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(folder)
         path = folder / f"{os.getpid()}-{Path(paths[0]).stem.rsplit('-', 1)[-1]}.json"
         path.write_text(json.dumps({"pid": os.getpid(), "sockets": paths}))
     except OSError as e:  # a full or read-only disk: the sockets may be left, nothing else

@@ -128,13 +128,18 @@ def peer_id_of(public_der: bytes) -> str:
     return PeerID(b"\x12\x20" + hashlib.sha256(wrapped).digest()).to_base58()  # sha2-256 multihash
 
 
+def _secret(path: str | Path, option: str) -> None:
+    """A secret others can read is the user's error: ``check_private``'s message as a ConfigError."""
+    try:
+        check_private(Path(path), option)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def load_identity(path: str | Path) -> rsa.RSAPrivateKey:
     """The RSA private key of a libp2p identity file (protobuf PrivateKey, as ``P2P.generate_identity``
     writes it). Raises ConfigError for another key type or an unreadable file."""
-    try:
-        check_private(Path(path), "--identity")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    _secret(path, "--identity")
     try:
         proto = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
         if proto.key_type != crypto_pb2.RSA:
@@ -165,10 +170,7 @@ class SwarmKey:
             raise ConfigError(f"--swarm-key {path}: {e.strerror or e}") from None
         key = cls.parse(data, str(path))
         if key.secret is not None:  # a list of peer ids is no secret; a shared secret is
-            try:
-                check_private(Path(path), "--swarm-key")
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+            _secret(path, "--swarm-key")
         return key
 
     @classmethod

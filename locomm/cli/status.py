@@ -21,6 +21,15 @@ from rich.table import Table
 STALE_AFTER_S = 15.0
 
 
+def unnamed(initial_peers: list[str]) -> str | None:
+    """The error when no ``--initial-peers`` names its peer (a reader trusts only the specs those peers sign)."""
+    from locomm.peer.transport.swarm import peer_ids_of  # noqa: PLC0415
+
+    if not peer_ids_of(initial_peers):
+        return "--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>"
+    return None
+
+
 class SwarmReader:
     """One DHT client on the swarm, kept open: ``read()`` returns a snapshot each time it is called (``status
     --watch`` polls one, instead of a new p2pd and DHT node per refresh, which took tens of seconds on 2 cores).
@@ -138,10 +147,9 @@ async def swarm_spec_toml(initial_peers: list[str], swarm_key: Path | None = Non
     """The TOML of the run spec the swarm's named peers sign (``join --plan --initial-peers``: plan the batch
     of the swarm one is about to join, not a local preset). Raises ConfigError when there is none."""
     from locomm.config import ConfigError  # noqa: PLC0415
-    from locomm.peer.transport.swarm import peer_ids_of  # noqa: PLC0415
 
-    if not peer_ids_of(initial_peers):
-        raise ConfigError("--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>")
+    if (error := unnamed(initial_peers)) is not None:
+        raise ConfigError(error)
     async with SwarmReader(initial_peers, swarm_key) as reader:
         if (error := await reader.find_spec()) is not None:
             raise ConfigError(error)
@@ -151,10 +159,8 @@ async def swarm_spec_toml(initial_peers: list[str], swarm_key: Path | None = Non
 
 async def snapshot(initial_peers: list[str], swarm_key: Path | None = None) -> dict[str, Any]:
     """One read of the swarm (a client opened and closed)."""
-    from locomm.peer.transport.swarm import peer_ids_of  # noqa: PLC0415
-
-    if not peer_ids_of(initial_peers):
-        return {"error": "--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>"}
+    if (error := unnamed(initial_peers)) is not None:
+        return {"error": error}
     async with SwarmReader(initial_peers, swarm_key) as reader:
         return await reader.read()
 
@@ -240,10 +246,8 @@ def show_status(initial_peers: list[str], *, watch: bool, as_json: bool, swarm_k
     console = Console()
 
     async def run() -> None:
-        from locomm.peer.transport.swarm import peer_ids_of  # noqa: PLC0415
-
-        if not peer_ids_of(initial_peers):
-            print("error: --initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>", file=sys.stderr)
+        if (error := unnamed(initial_peers)) is not None:
+            print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
         reader: SwarmReader | None = None
         try:

@@ -271,9 +271,9 @@ class Gossip:
     async def _on_pull(self, call: Call) -> None:
         r = call.msg.round
         out = self.outgoing.get(r)
-        if out is not None and call.remote in out.peers and self.clock() > out.serve_until:
-            raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {r}'s payload is no longer served")
-        if out is None and r < self.current_round - 1:
+        dropped = out is None and r < self.current_round - 1
+        expired = out is not None and call.remote in out.peers and self.clock() > out.serve_until
+        if dropped or expired:
             raise ProtocolViolation(ErrorCode.STALE_ROUND, f"round {r}'s payload is no longer served")
         if out is None or call.remote not in out.peers:
             raise ProtocolViolation(ErrorCode.NOT_READY, f"no payload of round {r} for you")

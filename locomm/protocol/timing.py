@@ -232,5 +232,5 @@ class PartnerWait:
 
     def next_change(self, now: float) -> float:
         """The next instant ``decide`` may answer differently with no event in between."""
-        times = [self.give_up, self.last_pull + PULL_RETRY_S if self.last_pull > -math.inf else self.due, self.due]
+        times = [self.give_up, self.due, self.last_pull + PULL_RETRY_S]  # -inf + retry: never pulled, never next
         return min([t for t in times if t > now], default=self.give_up)

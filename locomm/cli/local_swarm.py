@@ -127,7 +127,8 @@ class PeerGroup:
     ``spawn(i, argv, **popen_kw)`` starts peer ``i`` (default: a local process in its own session, behind
     the parent-death shim; the link bench starts each in its network namespace, where only ``reaper`` and
     the marker cover a SIGKILLed launcher). ``size`` peers share the machine's cores. ``reaper`` learns each
-    peer's pid, to stop it if this launcher dies.
+    peer's pid, to stop it if this launcher dies. ``stop``, when given, is the caller's own handle on
+    :attr:`stop_requested` (a test that runs the launcher in a thread stops it as Ctrl-C would).
     """
 
     def __init__(
@@ -139,6 +140,7 @@ class PeerGroup:
         grace_s: float,
         spawn: Callable[..., subprocess.Popen] | None = None,
         reaper: Reaper | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.folder = folder
         self.reaper = reaper
@@ -148,7 +150,7 @@ class PeerGroup:
         self.grace_s = grace_s
         self.spawn = spawn
         self.procs: list[subprocess.Popen] = []
-        self.stop_requested = threading.Event()
+        self.stop_requested = stop if stop is not None else threading.Event()
         self._errs: list[Any] = []
         self._old_handlers: dict[int, Any] = {}
 
@@ -323,6 +325,7 @@ def run_pipeline_swarm(
     host_maddr: Callable[[int], str] | None = None,
     eval_every: int = 1,
     plot: Path | None = None,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Run S x R peers to the end of ``spec.train.steps``; optionally kill one stage-1 replica at a step
     and start a ``--stage auto`` joiner at another (resilience). ``bootstrap_file`` receives the first
@@ -331,7 +334,8 @@ def run_pipeline_swarm(
     ``spawn(i, argv, **popen_kw)`` starts peer ``i`` (default: a local process in its own session; the
     link bench starts each in its network namespace) and ``host_maddr(i)`` is its ``--host-maddrs``
     (default: loopback, any port). Each peer gets ``--eval-every eval_every``; ``plot`` receives the
-    run's figure (stage 0's loss: :mod:`locomm.cli.plot`)."""
+    run's figure (stage 0's loss: :mod:`locomm.cli.plot`). ``stop`` set ends the run as Ctrl-C does (its
+    summary then says ``interrupted``; ``keep`` still receives the logs)."""
     console = Console(stderr=True)
     spec = spec.replace("pipeline", stages=stages)
     n = stages * replicas
@@ -339,7 +343,7 @@ def run_pipeline_swarm(
     killed: list[int] = []
     steps = spec.train.steps
     with _scratch("locomm-pipe-") as (folder, reaper):
-        group = PeerGroup(folder, spec, size=n, grace_s=15.0, spawn=spawn, reaper=reaper)
+        group = PeerGroup(folder, spec, size=n, grace_s=15.0, spawn=spawn, reaper=reaper, stop=stop)
 
         def start(stage: str, initial: str | None) -> None:
             i = len(group.procs)

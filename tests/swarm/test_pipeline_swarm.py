@@ -150,12 +150,23 @@ async def probe(boot: str, spec: RunSpec, ident: str) -> dict[str, list[int]]:
         await client.shutdown()
 
 
+def peer_logs(folder: Path, lines: int = 12) -> str:
+    """The last ``lines`` of each peer's event log and stderr in a kept swarm folder."""
+    out = []
+    for f in sorted(folder.glob("peer*.jsonl")) + sorted(folder.glob("peer*.err")):
+        tail = f.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {f.name}\n" + "\n".join(tail))
+    return "\n".join(out) or f"(no logs in {folder})"
+
+
 def test_pipeline_swarm_trains_routes_around_a_dead_replica_and_answers_bad_frames(tmp_path: Path):
     from locomm.cli.local_swarm import run_pipeline_swarm
 
     spec = pipe_spec()
     boot_file = tmp_path / "boot"
+    keep = tmp_path / "keep"
     result: dict = {}
+    stop = threading.Event()
 
     def swarm() -> None:
         result.update(
@@ -163,7 +174,15 @@ def test_pipeline_swarm_trains_routes_around_a_dead_replica_and_answers_bad_fram
             # round, the local swarm's default, can take the steps around the kill, and with it every hop to the
             # dead replica before its heartbeat expires).
             run_pipeline_swarm(
-                spec, stages=2, replicas=2, quiet=True, kill_at_step=6, bootstrap_file=boot_file, eval_every=0
+                spec,
+                stages=2,
+                replicas=2,
+                quiet=True,
+                kill_at_step=6,
+                bootstrap_file=boot_file,
+                eval_every=0,
+                keep=keep,
+                stop=stop,
             )
         )
 
@@ -177,8 +196,13 @@ def test_pipeline_swarm_trains_routes_around_a_dead_replica_and_answers_bad_fram
         boot = boot_file.read_text().strip()
         codes = asyncio.run(asyncio.wait_for(probe(boot, spec, str(tmp_path / "probe.id")), 240))
     finally:
-        t.join(timeout=400)
-    assert not t.is_alive()
+        # 128 steps take 30-40 s here, beside a CPU hog too: a run still going after 300 s is stuck. Stop it as
+        # Ctrl-C would and show what each peer last did (its events and its stderr), so that the hang says where.
+        t.join(timeout=300)
+        hung = t.is_alive()
+        stop.set()
+        t.join(timeout=120)
+    assert not hung, "the swarm did not end:\n" + peer_logs(keep)
     # Malformed frames: each answered with its code, faults counted until the sender is banned.
     assert set(codes.pop("status_stages")) == {0, 1}, codes
     want = [ErrorCode.NOT_READY, ErrorCode.BAD_SHAPE, ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_FINITE, ErrorCode.BANNED]

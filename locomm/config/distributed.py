@@ -76,6 +76,17 @@ class OuterConfig:
     scape_error_feedback: bool = True
     """SCAPE: keep the off-mask part of each step's gradient in a local residual, added to the next step's
     (error feedback), or drop it (false)."""
+    scape_hold: bool = True
+    """SCAPE: off the step's mask, AdamS holds weights, first moment and decay (the step updates the synchronized
+    coordinates only); false steps every coordinate on a zero gradient there, along stale momentum."""
+    scape_residual_decay: float = 0.9
+    """SCAPE: the error-feedback residual is multiplied by this each step before the gradient is added (1: never
+    decayed, unbounded)."""
+    scape_residual_weight: float = 0.1
+    """SCAPE: a mask slice's owner ranks coordinates by |m + w*r| (its residual r): unsent gradient brings a
+    coordinate back to the mask; 0 ranks by |m| alone (masks freeze)."""
+    scape_dense_steps: int = 20
+    """SCAPE: the first steps send every coordinate (a dense warm-up; at least 2, the first mask needs a moment)."""
     seed: int = 0
     """Seed of the per-round group permutations (the same on every worker)."""
 
@@ -98,6 +109,12 @@ class OuterConfig:
         fraction(self, "gasloc_mix")
         fraction(self, "participation", "sparse_density", closed_low=False)
         fraction(self, "scape_sparsity", closed_high=False)
+        fraction(self, "scape_residual_decay", closed_low=False)
+        check(
+            self.scape_residual_weight >= 0, "scape_residual_weight", f"must be >= 0, got {self.scape_residual_weight}"
+        )
+        check(self.scape_dense_steps >= 0, "scape_dense_steps", f"must be >= 0, got {self.scape_dense_steps}")
+        check(isinstance(self.scape_hold, bool), "scape_hold", f"must be true or false, got {self.scape_hold!r}")
         check(
             isinstance(self.scape_error_feedback, bool),
             "scape_error_feedback",

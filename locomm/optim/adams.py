@@ -11,12 +11,15 @@ parameter instead of two. Update rule as docs/algorithms.md §5 gives it:
     m     = b1 * m_prev + (1 - b1) * g
     theta = theta - lr * (m / (1 - b1^t)) / (sqrt(v) + eps)
 
-SCAPE reads ``state["exp_avg"]`` (the first moment) to build its masks.
+SCAPE reads ``state["exp_avg"]`` (the first moment) to build its masks, and may hold the coordinates it did not
+synchronize this step (:meth:`AdamS.hold_off`): off the mask, weight, first moment and weight decay stay as they
+are, where a zero gradient would decay m by b1 and v by b2 together and keep stepping ~b1/sqrt(b2) = 0.92 lr along
+stale momentum (docs/algorithms.md §5).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch.optim import Optimizer
@@ -36,6 +39,12 @@ class AdamS(Optimizer):
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"invalid AdamS hyperparameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._masks: dict[torch.Tensor, torch.Tensor] = {}
+
+    def hold_off(self, masks: dict[torch.Tensor, torch.Tensor] | None) -> None:
+        """For the NEXT :meth:`step` only: per parameter, a bool tensor of its shape; where False the weight and
+        its first moment are held (no update, no decay). Parameters absent from ``masks`` step everywhere."""
+        self._masks = dict(masks or {})
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
@@ -59,9 +68,25 @@ class AdamS(Optimizer):
                 bc = 1 - b1**t
                 mh = m / bc  # m_prev bias-corrected with the current step's 1 - b1^t
                 v = mh.square().mul_(b2).addcmul_(g, g, value=1 - b2)
-                m.mul_(b1).add_(g, alpha=1 - b1)
+                keep = self._masks.get(p)
+                m_new = m * b1 + g * (1 - b1)
+                upd = (m_new / bc).div_(v.sqrt_().add_(eps)).mul_(lr)
                 if wd:
-                    p.mul_(1 - lr * wd)
-                upd = (m / bc).div_(v.sqrt_().add_(eps))
-                p.add_(upd.to(p.dtype), alpha=-lr)
+                    upd.add_(p.float(), alpha=lr * wd)  # decoupled decay, (1 - lr*wd) * theta, as one update
+                if keep is not None:
+                    m_new = torch.where(keep, m_new, m)
+                    upd.mul_(keep)
+                m.copy_(m_new)
+                p.sub_(upd.to(p.dtype))
+        self._masks = {}
         return loss
+
+
+def by_param(
+    named: Iterable[tuple[str, torch.Tensor]], on: Mapping[str, torch.Tensor] | None
+) -> dict[torch.Tensor, torch.Tensor] | None:
+    """Masks by parameter name (SCAPE's ``held()``) as :meth:`AdamS.hold_off` takes them: by parameter, each on
+    its parameter's device and shape. None (a dense step) stays None."""
+    if on is None:
+        return None
+    return {p: on[k].to(p.device).reshape(p.shape) for k, p in named}

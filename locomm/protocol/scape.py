@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -116,6 +117,13 @@ class ScapeSync:
         workers: island size (the number of mask slices).
         sparsity: fraction of coordinates not sent, in [0, 1) (0.9 and 0.99 in the paper).
         error_feedback: keep off-mask values in a local residual (default) or drop them.
+        residual_decay: the residual is multiplied by this before each step's gradient is added (1: kept whole);
+            below 1 it is bounded, ``|r| <= max|g| / (1 - decay)``, where a whole one grew without bound at 99%.
+        residual_weight: the owner of a mask slice ranks coordinates by ``|m + residual_weight * r|`` (its own
+            residual ``r``, after this step's message), so a coordinate whose unsent gradient piles up comes back
+            to the mask; 0 ranks by ``|m|`` alone, where off-mask moments only shrink and masks freeze.
+        dense_steps: the first ``dense_steps`` steps send every coordinate (at least the first two: the first
+            mask needs a moment).
     """
 
     def __init__(
@@ -126,11 +134,20 @@ class ScapeSync:
         workers: int,
         sparsity: float,
         error_feedback: bool = True,
+        residual_decay: float = 1.0,
+        residual_weight: float = 0.0,
+        dense_steps: int = 0,
     ) -> None:
         if not 0 <= sparsity < 1:
             raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
         if not 0 <= rank < workers:
             raise ValueError(f"rank {rank} is not in [0, {workers})")
+        if not 0 < residual_decay <= 1 or residual_weight < 0 or dense_steps < 0:
+            raise ValueError(
+                f"need 0 < residual_decay <= 1, residual_weight >= 0 and dense_steps >= 0, got "
+                f"{residual_decay}, {residual_weight} and {dense_steps}"
+            )
+        self.residual_decay, self.residual_weight, self.dense_steps = residual_decay, residual_weight, dense_steps
         self.shapes = {k: tuple(s) for k, s in shapes.items()}
         self.sizes = {k: math.prod(s) for k, s in self.shapes.items()}
         self.numel = sum(self.sizes.values())
@@ -140,7 +157,23 @@ class ScapeSync:
         self.step = 0
         self.mask: torch.Tensor | None = None
         """Sorted flat indices of the current step's mask (None: dense)."""
+        self.applied: torch.Tensor | None = None
+        """The mask the last :meth:`apply` returned values on (None: dense): what :meth:`held` keeps still."""
         self.residual = torch.zeros(self.numel, dtype=torch.float32)
+
+    @classmethod
+    def of_spec(cls, shapes: Mapping[str, Sequence[int]], outer: Any, *, rank: int, workers: int) -> ScapeSync:
+        """The sync ``outer`` (a spec's ``outer`` section) describes, at its ``scape_*`` options."""
+        return cls(
+            shapes,
+            rank=rank,
+            workers=workers,
+            sparsity=outer.scape_sparsity,
+            error_feedback=outer.scape_error_feedback,
+            residual_decay=outer.scape_residual_decay,
+            residual_weight=outer.scape_residual_weight,
+            dense_steps=outer.scape_dense_steps,
+        )
 
     # -- flat views ------------------------------------------------------------------
 
@@ -160,12 +193,27 @@ class ScapeSync:
         n = hi - lo
         return n if self.sparsity == 0 else (min(n, max(1, math.ceil((1.0 - self.sparsity) * n))) if n else 0)
 
-    def mask_slice(self, first_moment: Mapping[str, torch.Tensor], rank: int) -> torch.Tensor:
-        """Slice ``rank`` of the next mask: the top (1 - sparsity) of |m| within that worker's slice."""
+    def mask_slice(
+        self, first_moment: Mapping[str, torch.Tensor], rank: int, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Slice ``rank`` of the next mask: the top (1 - sparsity) of |m| within that worker's slice (of
+        ``|m + residual_weight * residual|`` when the owner passes its residual)."""
         lo, hi = self.bounds[rank]
         if self.sparsity == 0:
             return torch.arange(lo, hi, dtype=torch.long)
-        return _top(self.flatten(first_moment)[lo:hi], 1.0 - self.sparsity, lo)
+        score = self.flatten(first_moment)[lo:hi]
+        if residual is not None and self.residual_weight > 0:
+            score = score.add(residual[lo:hi], alpha=self.residual_weight)
+        return _top(score, 1.0 - self.sparsity, lo)
+
+    def held(self) -> dict[str, torch.Tensor] | None:
+        """Per parameter, where the last applied step had values (bool; None when it was dense): the coordinates
+        an optimizer that holds the rest may update (``AdamS.hold_off``)."""
+        if self.applied is None:
+            return None
+        on = torch.zeros(self.numel, dtype=torch.bool)
+        on[self.applied] = True
+        return self.unflatten(on)
 
     # -- one step --------------------------------------------------------------------
 
@@ -173,6 +221,8 @@ class ScapeSync:
         """This step's message; ``first_moment``: the optimizer's m before this step's update (None if none)."""
         g = self.flatten(grads)
         if self.error_feedback:
+            if self.residual_decay < 1:
+                self.residual.mul_(self.residual_decay)
             u = self.residual.add_(g)  # u = g + r, in place: r becomes what is not sent
         else:
             u = g
@@ -185,9 +235,13 @@ class ScapeSync:
             if self.error_feedback:
                 u[self.mask] = 0.0
         shard = None
-        if first_moment is not None and self.sparsity > 0:  # sparsity 0: dense, no mask at all
-            shard = self.mask_slice(first_moment, self.rank)
+        if first_moment is not None and self._masked_next():  # sparsity 0: dense, no mask at all
+            shard = self.mask_slice(first_moment, self.rank, self.residual if self.error_feedback else None)
         return ScapeMessage(self.rank, self.step, values, shard)
+
+    def _masked_next(self) -> bool:
+        """Whether the step after this one is sparse (past the dense warm-up)."""
+        return self.sparsity > 0 and self.step + 1 >= self.dense_steps
 
     def apply(self, synced: Synced, first_moment: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The dense gradient every worker steps on, and the next mask (missing slices built locally)."""
@@ -201,7 +255,8 @@ class ScapeSync:
         else:
             ghat = torch.zeros(self.numel, dtype=torch.float32)
             ghat[self.mask] = synced.values.float()
-        if self.sparsity > 0 and (synced.next_mask is not None or first_moment is not None):
+        self.applied = self.mask
+        if self._masked_next() and (synced.next_mask is not None or first_moment is not None):
             self.mask = self._assemble(synced, first_moment)
         self.step += 1
         return self.unflatten(ghat)

@@ -41,6 +41,7 @@ import torch
 
 from locomm.config import RunSpec
 from locomm.data import TokenSplits, load_corpus
+from locomm.optim.adams import by_param
 from locomm.protocol.scape import ScapeSync, encode_indices, reduce
 from locomm.sim.network import NetworkModel, flops_step_s
 from locomm.sim.simulator import Simulator
@@ -188,7 +189,8 @@ def run_island(
     t0 = time.perf_counter()
     trainers = [Trainer(spec, splits=splits, worker_id=w, num_workers=workers) for w in range(workers)]
     shapes = {k: tuple(p.shape) for k, p in trainers[0].model.named_parameters()}
-    syncs = [ScapeSync(shapes, rank=w, workers=workers, sparsity=sparsity, error_feedback=ef) for w in range(workers)]
+    outer = spec.outer if method == "scape" else spec.replace("outer", scape_sparsity=sparsity).outer
+    syncs = [ScapeSync.of_spec(shapes, outer, rank=w, workers=workers) for w in range(workers)]
     topk = [TopkRaw(syncs[0].numel, sparsity, ef) for _ in range(workers)] if method == "topk_raw" else []
     numel = syncs[0].numel
     step_s = flops_step_s(trainers[0].model.num_parameters(), trainers[0].tokens_per_step, cost.tflops)
@@ -234,6 +236,8 @@ def run_island(
             synced = reduce(msgs)
             for w, t in enumerate(trainers):
                 _set_grads(t, syncs[w].apply(synced))
+                if spec.outer.scape_hold:
+                    t.optimizer.hold_off(by_param(t.model.named_parameters(), syncs[w].held()))
         for t in trainers:
             t.apply_gradients()
         if check_identical and res.identical:

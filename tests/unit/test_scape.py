@@ -275,7 +275,7 @@ def test_train_step_is_compute_then_apply(nano_spec, nano_splits):
 def test_simulator_runs_and_reports(nano_spec, nano_splits):
     from locomm.sim.scape import comparison, run_method
 
-    spec = nano_spec.replace("outer", scape_sparsity=0.9)
+    spec = nano_spec.replace("outer", scape_sparsity=0.9, scape_dense_steps=2)
     res = {m: run_method(spec, 2, 6, m, splits=nano_splits, eval_every=3) for m in ("scape", "adams_ddp", "adamw_ddp")}
     res["topk_raw"] = run_method(spec.replace("outer", scape_sparsity=0.99), 2, 6, "topk_raw", splits=nano_splits)
     rows = {r["method"]: r for r in comparison(list(res.values()))}
@@ -307,3 +307,81 @@ def test_cli_simulate_scape():
     assert bad.exit_code == 2 and "scape_sparsity" in bad.output
     wrong = CliRunner().invoke(simulate, ["--algo", "noloco", "--sparsity", "0.9"])
     assert wrong.exit_code == 2 and "--algo scape" in wrong.output
+
+
+# -- the options that make SCAPE the method (issue 33): hold, residual decay, residual-fed masks, warm-up ----------
+
+
+def test_hold_off_keeps_off_mask_coordinates_still_and_steps_the_rest_as_adams():
+    torch.manual_seed(0)
+    p0 = torch.randn(40)
+    held, free = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    oh = AdamS([held], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+    of = AdamS([free], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+    on = torch.zeros(40, dtype=torch.bool)
+    on[::3] = True
+    for step in range(4):
+        g = torch.randn(40)
+        held.grad, free.grad = g.clone(), g.clone()
+        if step >= 2:  # two dense steps build a moment, then two held ones
+            m_before, p_before = oh.state[held]["exp_avg"].clone(), held.detach().clone()
+            oh.hold_off({held: on})
+        oh.step()
+        of.step()
+    # Off the mask: weight and first moment exactly as before the held steps (no decay, no stale momentum).
+    assert torch.equal(held.detach()[~on], p_before[~on])
+    assert torch.equal(oh.state[held]["exp_avg"][~on], m_before[~on])
+    # On the mask the last step is AdamS's own (the held coordinates do not enter it).
+    assert not torch.equal(held.detach()[on], p_before[on])
+    assert oh._masks == {}  # one step only
+
+
+def test_residual_decay_bounds_the_residual():
+    shapes = {"w": (100,)}
+    g = {"w": torch.ones(100)}
+    grown = {}
+    for decay in (1.0, 0.9):
+        sync = ScapeSync(shapes, rank=0, workers=1, sparsity=0.99, residual_decay=decay)
+        sync.mask = torch.tensor([0])
+        for _ in range(200):
+            sync.plan(g, None)
+        grown[decay] = float(sync.residual[1:].max())
+    assert grown[1.0] == 200.0  # never decayed: it grows with every step off the mask
+    assert 9.9 < grown[0.9] <= 10.0  # bounded by max|g| / (1 - decay)
+
+
+def test_a_coordinate_whose_residual_piles_up_comes_back_to_the_mask():
+    shapes = {"w": (50,)}
+    m = {"w": torch.linspace(1.0, 0.5, 50)}  # the moment ranks coordinate 0 first, 49 last
+    for weight, back in ((0.0, False), (0.1, True)):
+        sync = ScapeSync(shapes, rank=0, workers=1, sparsity=0.9, residual_weight=weight)
+        sync.mask = torch.arange(5)
+        g = torch.zeros(50)
+        g[49] = 3.0  # coordinate 49's gradient is never sent: it piles up in the residual
+        for _ in range(5):
+            msg = sync.plan({"w": g}, m)
+        assert (49 in msg.mask_shard.tolist()) is back
+
+
+def test_dense_warm_up_sends_every_coordinate_for_its_steps():
+    workers, d = 2, 5
+    members = [Member(w, workers, 0.9) for w in range(workers)]
+    for mb in members:
+        mb.sync.dense_steps = d
+    sent = []
+    for gs in make_grads(8, workers, seed=4):
+        msgs = [mb.sync.plan(mb.sync.unflatten(torch.from_numpy(gs[w])), mb.moment()) for w, mb in enumerate(members)]
+        synced = reduce(msgs)
+        for mb in members:
+            mb.step(mb.sync.apply(synced, mb.moment()))
+        sent.append(msgs[0].values.numel())
+    assert sent[:d] == [NUMEL] * d and all(n < NUMEL for n in sent[d:])
+
+
+def test_spec_options_reach_the_sync():
+    outer = RunSpec.preset("nano").replace("outer", scape_residual_decay=0.8, scape_residual_weight=0.2).outer
+    sync = ScapeSync.of_spec(SHAPES, outer, rank=0, workers=2)
+    assert (sync.residual_decay, sync.residual_weight, sync.dense_steps) == (0.8, 0.2, outer.scape_dense_steps)
+    for bad in (dict(scape_residual_decay=0.0), dict(scape_residual_weight=-1.0), dict(scape_dense_steps=-1)):
+        with pytest.raises(ConfigError):
+            RunSpec.preset("nano").replace("outer", **bad)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from locomm.config import ConfigError
+from locomm.optim.adams import by_param
 from locomm.peer.island.representative import Representative
 from locomm.peer.island.state import Trainee, apply_outer, load_state, state_header
 from locomm.peer.island.wire import (
@@ -129,13 +130,7 @@ class Island:
             raise ConfigError(f"island {self.name!r} already has {self.size} members")
         shapes = {k: tuple(p.shape) for k, p in self.node.params().items()}
         outer = self.node.spec.outer
-        self.sync = ScapeSync(
-            shapes,
-            rank=self.roster.index(self.host.me),
-            workers=self.size,
-            sparsity=outer.scape_sparsity,
-            error_feedback=outer.scape_error_feedback,
-        )
+        self.sync = ScapeSync.of_spec(shapes, outer, rank=self.roster.index(self.host.me), workers=self.size)
         self.leader = self.roster[0]
         if self.key is None:
             log.warning("island %s is open: any peer that names it can join (--island-key FILE closes it)", self.name)
@@ -177,6 +172,8 @@ class Island:
         ghat = self.sync.apply(synced, self._moment())
         for k, p in self.node.params().items():
             p.grad.copy_(ghat[k].to(p.grad.device, p.grad.dtype).reshape(p.shape))
+        if self.node.spec.outer.scape_hold:
+            self.node.trainer.optimizer.hold_off(by_param(self.node.params().items(), self.sync.held()))
         self.node.trainer.apply_gradients()
         if self.host.opts.island_digest:
             h = hashlib.sha256()

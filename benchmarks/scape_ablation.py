@@ -1,0 +1,152 @@
+"""SCAPE, each fix of issue 33 on its own, against dense AdamS tuned by an lr sweep (the simulator; 1 core each).
+
+Every run is one island of N workers syncing every step (``locomm.sim.scape.run_island``), at the preset's
+tokens and schedule, one seed (``train.seed`` and ``outer.seed`` together). The variants, cumulative:
+
+- ``v0``: the build before issue 33: off-mask coordinates step on a zero gradient, masks from |m| alone, a
+  residual never decayed, steps 0 and 1 dense;
+- ``hold``: AdamS holds off-mask weights, moments and decay (``outer.scape_hold``);
+- ``hold+refresh``: + the owner ranks its slice by |m + w*r| (``outer.scape_residual_weight`` 0.1);
+- ``hold+refresh+decay``: + the residual decays by 0.9 a step (``outer.scape_residual_decay``);
+- ``default``: the spec's defaults (all of the above and a dense warm-up of ``outer.scape_dense_steps``).
+
+Dense AdamS (``adams_ddp``) runs at each ``--lrs`` value; every SCAPE variant runs at ``--scape-lr`` (the dense
+sweep's best, once known) so the two compare at one tuned lr. Each entry is written atomically to
+``benchmarks/results/scape-ablation-<preset>.json`` (``--out``: one file per process), ``--resume`` skips those
+done; ``--report`` prints the table from every ``scape-ablation-<preset>*.json``.
+
+    nice python benchmarks/scape_ablation.py --methods adams_ddp --lrs 0.003 0.005 0.01 0.02 --seeds 0 --resume
+    nice python benchmarks/scape_ablation.py --sparsities 0.9 0.99 --scape-lr 0.01 --seeds 0 --resume
+    python benchmarks/scape_ablation.py --report
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from locomm.config import RunSpec
+from locomm.data import load_corpus
+from locomm.sim.scape import Cost, run_island
+
+import _harness
+
+V0 = dict(scape_hold=False, scape_residual_decay=1.0, scape_residual_weight=0.0, scape_dense_steps=2)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "v0": V0,
+    "hold": {**V0, "scape_hold": True},
+    "hold+refresh": {**V0, "scape_hold": True, "scape_residual_weight": 0.1},
+    "hold+refresh+decay": {**V0, "scape_hold": True, "scape_residual_weight": 0.1, "scape_residual_decay": 0.9},
+    "default": {},
+}
+STEPS = {"nano": 300, "tiny": 500}
+
+
+def key(preset: str, workers: int, seed: int, method: str, lr: float) -> str:
+    return f"{preset}/w{workers}/seed{seed}/{method}/lr={lr:g}"
+
+
+def run(preset: str, workers: int, seed: int, method: str, lr: float, steps: int, splits: Any) -> dict:
+    spec = RunSpec.preset(preset).replace("train", seed=seed).replace("inner", lr=lr)
+    if method == "adams_ddp":
+        spec = spec.replace("outer", seed=seed)
+        r = run_island(spec, workers, steps, method="adams_ddp", splits=splits, eval_every=max(1, steps // 10))
+    else:
+        name, sparsity = method.split("@")
+        sparsity, variant = sparsity.split(":")
+        spec = spec.replace("outer", seed=seed, scape_sparsity=float(sparsity), **VARIANTS[variant])
+        r = run_island(spec, workers, steps, method=name, splits=splits, eval_every=max(1, steps // 10), cost=Cost())
+    out = r.as_json()
+    out.update(
+        preset=preset,
+        seed=seed,
+        lr=lr,
+        method_key=method,
+        outer={k: v for k, v in vars(spec.outer).items() if k.startswith("scape_")},
+    )
+    return out
+
+
+def report(preset: str, entries: dict) -> str:
+    """Per workers, method and lr: final val loss over seeds, and the gap to the best dense AdamS per seed."""
+    rows = [e for e in entries.values() if e["preset"] == preset]
+    lines = [
+        "| workers | method | lr | seeds | final val loss | vs best dense AdamS (per seed) | values/step vs dense |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for w in sorted({e["workers"] for e in rows}):
+        best = {}  # per seed: the best dense AdamS over the lr sweep
+        for e in rows:
+            if e["workers"] == w and e["method_key"] == "adams_ddp" and "diverged" not in e:
+                best[e["seed"]] = min(best.get(e["seed"], float("inf")), e["final_val_loss"])
+        groups: dict[tuple[str, float], list[dict]] = {}
+        for e in rows:
+            if e["workers"] == w:
+                groups.setdefault((e["method_key"], e["lr"]), []).append(e)
+        for (method, lr), all_es in sorted(groups.items()):
+            es = [e for e in all_es if "diverged" not in e]
+            if not es:
+                lines.append(f"| {w} | {method} | {lr:g} | {len(all_es)} | diverged | - | - |")
+                continue
+            losses = [e["final_val_loss"] for e in es]
+            gaps = [100 * (e["final_val_loss"] / best[e["seed"]] - 1) for e in es if e["seed"] in best]
+            loss = f"{statistics.fmean(losses):.4f}" + (f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else "")
+            gap = "-" if not gaps else f"{statistics.fmean(gaps):+.2f}% ({', '.join(f'{g:+.2f}' for g in gaps)})"
+            frac = statistics.fmean(e["bytes_per_step"] / e["dense_bytes"] for e in es)
+            lines.append(f"| {w} | {method} | {lr:g} | {len(es)} | {loss} | {gap} | {frac:.4f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = _harness.parser(__doc__, out=None, resume=True, summary=True)
+    ap.add_argument("--preset", choices=sorted(STEPS), default="nano")
+    ap.add_argument("--workers", type=int, nargs="+", default=[4])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--methods", nargs="+", default=["scape"], choices=["scape", "adams_ddp"])
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-2], help="Dense AdamS's lr sweep")
+    ap.add_argument("--scape-lr", type=float, default=1e-2, help="Every SCAPE variant's lr")
+    ap.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.99])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--steps", type=int, help="Steps per worker (default: nano 300, tiny 500)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--report", action="store_true")
+    args = ap.parse_args()
+    if args.report:
+        merged: dict = {}
+        for path in sorted(_harness.RESULTS.glob(f"scape-ablation-{args.preset}*.json")):
+            merged.update(_harness.Entries(path, resume=True).entries)
+        print(report(args.preset, merged))
+        return
+    torch.set_num_threads(args.threads)
+    out = args.out or _harness.results_path(f"scape-ablation-{args.preset}.json")
+    done = _harness.Entries(out, resume=args.resume)
+    steps = args.steps or STEPS[args.preset]
+    splits = load_corpus(RunSpec.preset(args.preset).data)
+    todo = []
+    for seed in args.seeds:
+        for workers in args.workers:
+            if "adams_ddp" in args.methods:
+                todo += [(seed, workers, "adams_ddp", lr) for lr in args.lrs]
+            if "scape" in args.methods:
+                todo += [
+                    (seed, workers, f"scape@{s:g}:{v}", args.scape_lr) for s in args.sparsities for v in args.variants
+                ]
+    for seed, workers, method, lr in todo:
+        name = key(args.preset, workers, seed, method, lr)
+        if name in done:
+            continue
+        t0 = time.perf_counter()
+        try:
+            e = run(args.preset, workers, seed, method, lr, steps, splits)
+        except FloatingPointError as err:  # a diverged run is a result: the sweep's edge
+            e = dict(preset=args.preset, seed=seed, lr=lr, method_key=method, workers=workers, diverged=str(err))
+        done.add(name, e)
+        print(f"{name}: val {e.get('final_val_loss', 'diverged')} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(report(args.preset, done.entries))
+
+
+if __name__ == "__main__":
+    main()

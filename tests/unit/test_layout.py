@@ -86,3 +86,12 @@ def test_module_length_follows_its_concept():
         if n > SOFT_LINES:
             warnings.warn(f"{path}: {n} lines (over {SOFT_LINES}): is it still one concept?", stacklevel=1)
     assert {p: n for p, n in lines.items() if n > HARD_LINES} == {}
+
+
+def test_readme_is_a_guide_of_at_most_200_lines_whose_test_command_ci_runs():
+    repo = ROOT.parent
+    readme = (repo / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200, "README.md: at most 200 lines; the full tables live in docs/results/"
+    ci = (repo / ".ci" / "run").read_text().splitlines()
+    test_cmd = next(line for line in reversed(ci) if line.strip() and not line.startswith("#"))
+    assert test_cmd in readme, f"the README's test command and .ci/run's differ: {test_cmd!r}"

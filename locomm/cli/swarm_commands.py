@@ -469,12 +469,38 @@ def swarm(
 @swarm_key_option
 @click.option("--watch", is_flag=True, help="Refresh every 2 seconds until Ctrl-C.")
 @click.option("--json", "as_json", is_flag=True, help="Print the swarm as one JSON object.")
-def status(initial_peers: tuple[str, ...], swarm_key: Path | None, watch: bool, as_json: bool) -> None:
+@click.option(
+    "--serve",
+    "serve_port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve the swarm as a web page on this port (0: any free one): the peers table and each peer's loss "
+    "over time, refreshed every 2 s from one DHT client; the same data at /status.json. Until Ctrl-C.",
+)
+@click.option("--serve-host", default="127.0.0.1", show_default=True, help="With --serve: the address to listen on.")
+def status(
+    initial_peers: tuple[str, ...],
+    swarm_key: Path | None,
+    watch: bool,
+    as_json: bool,
+    serve_port: int | None,
+    serve_host: str,
+) -> None:
     """Show a running swarm from its signed DHT records: peers, rounds, loss, throughput, traffic."""
     try:
         key = check_swarm_key(swarm_key)
     except ConfigError as e:
         fail(str(e))
+    if serve_port is not None:
+        if watch or as_json:
+            fail("--serve runs a page until Ctrl-C: drop --watch and --json (the page serves /status.json)")
+        from locomm.cli.status import unnamed  # noqa: PLC0415
+        from locomm.cli.status_page import serve_status  # noqa: PLC0415
+
+        if (error := unnamed(list(initial_peers))) is not None:
+            fail(error)
+        serve_status(list(initial_peers), host=serve_host, port=serve_port, swarm_key=key)
+        return
     from locomm.cli.status import show_status  # noqa: PLC0415
 
     show_status(list(initial_peers), watch=watch, as_json=as_json, swarm_key=key)

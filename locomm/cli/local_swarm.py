@@ -175,6 +175,14 @@ class PeerGroup:
             for sig, handler in self._old_handlers.items():
                 signal.signal(sig, handler)
 
+    def dump_tasks(self, wait_s: float = 2.0) -> None:
+        """SIGUSR1 to every running peer: each logs where its tasks wait (to its stderr file) before the stop."""
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(wait_s)
+
     @property
     def stopping(self) -> bool:
         return self.stop_requested.is_set()
@@ -390,6 +398,8 @@ def run_pipeline_swarm(
                     group.wait(0.3)
                 live.update(stage_table(stage_rows(folder, len(group.procs), replicas), stages, steps))
             interrupted = group.stopping
+            if stop is not None and stop.is_set():  # the caller gave up on the run: each live peer logs its tasks
+                group.dump_tasks()
         rows = stage_rows(folder, len(group.procs), replicas)
         failed = group.failed(console, interrupted=interrupted, exclude=killed)
         summary = pipeline_summary(rows, spec, stages=stages, replicas=replicas)

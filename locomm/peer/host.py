@@ -111,6 +111,8 @@ class Host:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal or ssh session closed
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig)
+        with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
+            loop.add_signal_handler(signal.SIGUSR1, dump_tasks)  # `kill -USR1 PID`: where each task waits
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         try:
@@ -477,6 +479,22 @@ class Host:
         if self.opts.reporter is not None:
             with contextlib.suppress(Exception):
                 getattr(self.opts.reporter, method)(arg)
+
+
+def dump_tasks() -> None:
+    """Log (WARNING, so a quiet peer shows it too) the stack of every asyncio task and thread: what a peer that
+    seems stuck is waiting for (SIGUSR1; the local swarm launcher sends it before stopping a run that hangs)."""
+    import io  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import traceback  # noqa: PLC0415
+
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        out.write(f"--- task {task.get_name()}: {task.get_coro()!r}\n")
+        task.print_stack(limit=12, file=out)
+    for ident, frame in sys._current_frames().items():  # noqa: SLF001 - the thread stacks, as faulthandler gives
+        out.write(f"--- thread {ident}\n{''.join(traceback.format_stack(frame, limit=12))}")
+    log.warning("SIGUSR1: every task and thread now\n%s", out.getvalue())
 
 
 async def _logged(coro: Coroutine[Any, Any, Any]) -> Any:

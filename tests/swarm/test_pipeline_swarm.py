@@ -150,7 +150,7 @@ async def probe(boot: str, spec: RunSpec, ident: str) -> dict[str, list[int]]:
         await client.shutdown()
 
 
-def peer_logs(folder: Path, lines: int = 12) -> str:
+def peer_logs(folder: Path, lines: int = 60) -> str:
     """The last ``lines`` of each peer's event log and stderr in a kept swarm folder."""
     out = []
     for f in sorted(folder.glob("peer*.jsonl")) + sorted(folder.glob("peer*.err")):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import click
 
 from locomm import __version__
+from locomm.cli.admit import admit
 from locomm.cli.bootstrap import bootstrap
 from locomm.cli.control import pause, resume
 from locomm.cli.doctor import doctor
@@ -25,6 +26,7 @@ from locomm.cli.swarm_commands import join, status, swarm
 
 __all__ = [
     "PRESETS",
+    "admit",
     "bench",
     "bootstrap",
     "cli",
@@ -64,6 +66,7 @@ for _command in (
     export,
     generate,
     eval_command,
+    admit,
 ):
     cli.add_command(_command)
 

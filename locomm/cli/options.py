@@ -27,7 +27,8 @@ def swarm_key_option(f: F) -> F:
         "--swarm-key",
         type=click.Path(dir_okay=False, path_type=Path),
         help="Closed swarm: a file of >= 32 random bytes (head -c 32 /dev/urandom > swarm.key; chmod 600 "
-        "swarm.key) shared by its peers, or a list of allowed peer ids, one a line. Records without it are refused.",
+        "swarm.key) shared by its peers, a list of allowed peer ids, one a line, or this peer's admission "
+        "certificate (locomm-peer admit; with the --identity it names). Records without it are refused.",
     )(f)
 
 

@@ -47,7 +47,15 @@ from locomm.peer.options import NodeOptions
 from locomm.peer.spec_sync import settle_spec
 from locomm.peer.transport import leftovers
 from locomm.peer.transport.gossip import Faults, Gossip
-from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, SwarmValidator, heartbeat_ttl, load_identity
+from locomm.peer.transport.records import (
+    SPEC_TTL_S,
+    SwarmKey,
+    SwarmValidator,
+    heartbeat_ttl,
+    load_identity,
+    peer_id_of,
+    public_der,
+)
 from locomm.peer.transport.rpc import RpcServer, Service
 from locomm.peer.transport.shaper import Shaper
 from locomm.peer.transport.state_sync import Synced, fetch_state
@@ -250,10 +258,23 @@ class Host:
     def _identity_path(self) -> Path:
         """The user's --identity, else a fresh one in a private (0700) temp folder removed at exit: P2P always
         runs with a key this host holds, since that key signs every record it writes."""
+        cert = self.swarm_key.certificate if self.swarm_key is not None else None
         if self.opts.identity is not None:
             if self.opts.identity.exists():
-                load_identity(self.opts.identity)  # an unusable key fails here, before p2pd starts
+                key = load_identity(self.opts.identity)  # an unusable key fails here, before p2pd starts
+                if self.swarm_key is not None:
+                    self.swarm_key.check_identity(peer_id_of(public_der(key)))
+            elif cert is not None:
+                raise ConfigError(
+                    f"--identity {self.opts.identity}: no such file, and the admission certificate "
+                    f"names peer {cert.peer}: pass the identity file the founder admitted"
+                )
             return self.opts.identity
+        if cert is not None:
+            raise ConfigError(
+                f"the admission certificate names peer {cert.peer}: pass --identity with that peer's "
+                "key file (a peer without --identity gets a new id every start)"
+            )
         self._id_dir = Path(tempfile.mkdtemp(prefix="locomm-id-"))  # mkdtemp: mode 0700
         return self._id_dir / "identity.key"  # P2P.create generates it (and skips the "is it taken" check)
 

@@ -307,3 +307,75 @@ def test_forged_records_and_outsiders_are_refused(tmp_path: Path, launcher: Laun
         after = [r for r in p.events("round") if r["round"] > at_attack[p.name]]
         assert len(after) >= 2 and all(sorted(r["member_ids"]) == sorted(ids.values()) for r in after), (p.name, after)
         assert not any(seen["outsider"] in r["member_ids"] for r in p.events("round")), p.name
+
+
+def test_admission_certificates_keep_minted_identities_out(tmp_path: Path, launcher: Launcher) -> None:
+    """A founder admits two peers (`admit`); they train together. Minted identities are refused at the door: a
+    raw node holding a rogue founder's certificate stores a heartbeat no honest node takes, one carrying a
+    member's stolen certificate likewise, and a `join` with a rogue certificate exits 2; the members never count
+    either, and go on training."""
+    import json
+    import subprocess
+    import sys
+
+    from hivemind.utils import get_dht_time
+
+    from locomm.peer.transport.admission import Certificate, load_founder
+    from locomm.peer.transport.records import SwarmKey, SwarmValidator, peers_key
+
+    def admit(*args: str) -> dict:
+        r = subprocess.run(
+            [sys.executable, "-m", "locomm.cli.main", "admit", *args, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    admit("--new-founder", str(tmp_path / "founder.key"))
+    admit("--new-founder", str(tmp_path / "rogue.key"))
+    certs = {}
+    for name, founder in (("a", "founder"), ("b", "founder"), ("m", "rogue")):
+        pid = admit("--show-id", "--identity", str(tmp_path / f"{name}.id"))["peer_id"]
+        admit("--founder-key", str(tmp_path / f"{founder}.key"), "--peer", pid, "--out", str(tmp_path / f"{name}.cert"))
+        certs[name] = pid
+    cfg = _spec(tmp_path)
+
+    def member(name: str, *args: str, initial: str | None = None, config: Path | None = cfg) -> PeerProcess:
+        ident = ("--identity", str(tmp_path / f"{name}.id"), "--swarm-key", str(tmp_path / f"{name}.cert"))
+        return launcher.start(name, *ident, *args, config=config, initial_peers=initial)
+
+    a = member("a", "--until-round", "100000", "--wait-for-peers", "2", "--shard", "0/2")
+    boot = a.address()
+    b = member("b", "--until-round", "100000", "--wait-for-peers", "2", "--shard", "1/2", initial=boot)
+    minted = member("m", initial=boot, config=None)  # a rogue founder's certificate: it sees no spec it can trust
+    assert minted.wait(timeout=90) == 2, minted.tail()
+    assert minted.tail().strip().startswith("error: "), minted.tail()
+    _wait(lambda: all(len(_members(p)) == 2 for p in (a, b)), 120, "a round of the two members", (a, b))
+    run = a.events("started")[0]["run"]
+
+    async def mint() -> list[bool]:
+        stored = []
+        rogue = load_founder(tmp_path / "rogue.key")
+        stolen = Certificate.load(tmp_path / "a.cert")
+        for name, cert in (("mint1", None), ("mint2", stolen)):
+            key = SwarmKey(certificate=cert) if cert is not None else None
+            p2p, dht, me = await _client(tmp_path, name, boot, SwarmValidator, swarm_key=key)
+            if cert is None:  # a certificate of the rogue founder, for this very identity
+                me.swarm_key = SwarmKey(certificate=Certificate.issue(rogue, me.peer_id, time.time() + 3600))
+            now = get_dht_time()
+            beat = {"round": 0, "join_round": 0, "time": now, "version": "minted", "round_s": 1.0}
+            stored.append(
+                await dht.store(
+                    peers_key(run), subkey=me.peer_id, value=beat, expiration_time=now + 3, exclude_self=True
+                )
+            )
+            await _shut(dht, p2p)
+        return stored
+
+    assert asyncio.run(asyncio.wait_for(mint(), 90)) == [False, False]
+    r0 = a.round()
+    _wait(lambda: a.round() >= r0 + 3, 90, "three more rounds", (a, b))
+    counted = {m for p in (a, b) for e in p.events("round") for m in e["member_ids"]}
+    assert counted == {certs["a"], certs["b"]}, counted

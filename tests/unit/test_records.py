@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import msgpack
 import pytest
@@ -259,3 +260,43 @@ def test_an_hf_id_that_is_a_local_folder_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError):
         DataConfig(corpus="hf:mydata").check_from_swarm()
+
+
+def test_admission_certificates_admit_the_founders_members_only(identities, tmp_path):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from locomm.peer.transport.admission import Certificate, load_founder, new_founder
+
+    new_founder(tmp_path / "founder.key")
+    founder = load_founder(tmp_path / "founder.key")
+    ids = [SwarmValidator(load_identity(p)).peer_id for p in identities]
+    member = SwarmKey(certificate=Certificate.issue(founder, ids[0], NOW + 3600))
+    reader = _validator(identities[1], swarm_key=SwarmKey(certificate=Certificate.issue(founder, ids[1], NOW + 60)))
+    a = _validator(identities[0], swarm_key=member)
+    assert reader.validate(_signed(a, _record(peers_key(RUN), a.peer_id, _beat(), NOW + TTL)))
+    # A minted identity: a certificate of its own founder, one stolen from a member, one expired, none at all.
+    rogue = Ed25519PrivateKey.generate()
+    forged = [
+        SwarmKey(certificate=Certificate.issue(rogue, ids[2], NOW + 3600)),
+        member,  # ids[0]'s certificate carried by ids[2]
+        SwarmKey(certificate=Certificate.issue(founder, ids[2], NOW - 1)),
+        None,
+    ]
+    for key in forged:
+        m = _validator(identities[2], swarm_key=key)
+        assert not reader.validate(_signed(m, _record(peers_key(RUN), m.peer_id, _beat(), NOW + TTL))), key
+        assert not reader.validate(_signed(m, _record(spec_key(m.peer_id), None, _spec(), NOW + 60))), key
+    # A certificate file: the member's key file is checked against it; a damaged one is a one-line error.
+    path = tmp_path / "member.cert"
+    fresh = Certificate.issue(founder, ids[0], time.time() + 3600)  # loading checks the expiry by the real clock
+    atomic_write_bytes(path, fresh.encode())
+    assert SwarmKey.load(path).certificate == fresh
+    SwarmKey.load(path).check_identity(ids[0])
+    with pytest.raises(ConfigError, match="certificate is for peer"):
+        SwarmKey.load(path).check_identity(ids[1])
+    atomic_write_bytes(path, fresh.encode()[:-5])
+    with pytest.raises(ConfigError, match="damaged admission certificate"):
+        SwarmKey.load(path)
+    os.chmod(tmp_path / "founder.key", 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_founder(tmp_path / "founder.key")

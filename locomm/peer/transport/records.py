@@ -57,6 +57,7 @@ from hivemind.utils import MSGPackSerializer
 
 from locomm.atomic import check_private
 from locomm.config import ConfigError
+from locomm.peer.transport.admission import CERT_MAGIC, Certificate
 from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "heartbeat_ttl",
     "load_identity",
     "peer_id_of",
+    "public_der",
     "peers_key",
     "spec_key",
 ]
@@ -122,6 +124,11 @@ def _public_key(der: bytes) -> tuple[rsa.RSAPublicKey, str] | None:
     return key, peer_id_of(der)
 
 
+def public_der(key: rsa.RSAPrivateKey) -> bytes:
+    """The DER (SubjectPublicKeyInfo) of an identity key's public half: what records carry and peer ids hash."""
+    return key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
 def peer_id_of(public_der: bytes) -> str:
     """The base58 libp2p peer id of an RSA public key (DER SubjectPublicKeyInfo), as p2pd derives it."""
     wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_der).SerializeToString()
@@ -156,10 +163,14 @@ def load_identity(path: str | Path) -> rsa.RSAPrivateKey:
 
 @dataclasses.dataclass(frozen=True)
 class SwarmKey:
-    """What admits a record to a closed swarm: a shared secret (an HMAC tag) or a list of allowed peer ids."""
+    """What admits a record to a closed swarm: a shared secret (an HMAC tag), a list of allowed peer ids, or a
+    founder's admission certificate (:mod:`locomm.peer.transport.admission`: the record's trailer carries its
+    signer's certificate, which must be the founder's and name the signer)."""
 
     secret: bytes | None = None
     allowed: frozenset[str] | None = None
+    certificate: Certificate | None = None
+    """Certificate mode: this peer's own certificate (its ``founder`` is the swarm's)."""
 
     @classmethod
     def load(cls, path: str | Path) -> SwarmKey:
@@ -175,6 +186,17 @@ class SwarmKey:
 
     @classmethod
     def parse(cls, data: bytes, name: str = "swarm key") -> SwarmKey:
+        if data[:4] == CERT_MAGIC:
+            cert = Certificate.decode(data)
+            if cert is None:
+                raise ConfigError(
+                    f"--swarm-key {name}: a damaged admission certificate (ask the founder for a new one)"
+                )
+            if cert.expires <= time.time():
+                raise ConfigError(
+                    f"--swarm-key {name}: the admission certificate expired (ask the founder for a new one)"
+                )
+            return cls(certificate=cert)
         ids = _peer_id_list(data, name)
         if ids:
             return cls(allowed=frozenset(ids))
@@ -186,12 +208,25 @@ class SwarmKey:
         return cls(secret=bytes(data))
 
     def tag(self, message: bytes) -> bytes:
+        if self.certificate is not None:
+            return self.certificate.encode()
         return hmac.new(self.secret, message, hashlib.sha256).digest() if self.secret is not None else b""
 
-    def admits(self, signer: str, message: bytes, tag: bytes) -> bool:
+    def admits(self, signer: str, message: bytes, tag: bytes, now: float | None = None) -> bool:
         if self.allowed is not None:
             return signer in self.allowed
+        if self.certificate is not None:
+            cert = Certificate.decode(tag)
+            return cert is not None and cert.valid_for(signer, self.certificate.founder, now)
         return hmac.compare_digest(self.tag(message), tag)
+
+    def check_identity(self, peer: str) -> None:
+        """Certificate mode: this peer's id must be the one its certificate names (ConfigError with the fix)."""
+        if self.certificate is not None and self.certificate.peer != peer:
+            raise ConfigError(
+                f"the admission certificate is for peer {self.certificate.peer}, this peer is {peer}: pass the "
+                "--identity file whose peer id the founder admitted (locomm-peer admit --show-id --identity FILE)"
+            )
 
 
 def _peer_id_list(data: bytes, name: str = "swarm key") -> list[str] | None:
@@ -267,9 +302,7 @@ class SwarmValidator(RecordValidatorBase):
         self.public_der = b""
         self.peer_id = ""
         if private_key is not None:
-            self.public_der = private_key.public_key().public_bytes(
-                serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
+            self.public_der = public_der(private_key)
             self.peer_id = peer_id_of(self.public_der)
         self._peers_keys: dict[bytes, float] = {}  # DHTID bytes of a run's peers key -> its heartbeat TTL
         self._spec_keys: OrderedDict[bytes, str] = OrderedDict()  # DHTID bytes of spec.<id> -> id
@@ -370,7 +403,7 @@ class SwarmValidator(RecordValidatorBase):
             key.verify(signed.signature, msg, _PSS, hashes.SHA256())
         except InvalidSignature:
             return None
-        if self.swarm_key is not None and not self.swarm_key.admits(signer, msg, signed.tag):
+        if self.swarm_key is not None and not self.swarm_key.admits(signer, msg, signed.tag, self.clock()):
             return None
         return signer
 

@@ -99,6 +99,17 @@ from locomm.config import ConfigError
     show_default=True,
     help="The log lines on stderr: text, or one JSON object a line (for log collectors).",
 )
+@click.option(
+    "--tensorboard",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write TensorBoard scalars of every round here, under <run id>/<peer id> (extra: locomm[trackers]).",
+)
+@click.option(
+    "--wandb",
+    "wandb_project",
+    help="Log every round to this W&B project, grouped by the swarm's run id "
+    "(extra: locomm[trackers]; WANDB_MODE=offline keeps it local).",
+)
 @click.option("--rounds", type=int, help="Stop after this many rounds.")
 @click.option("--shard", help="Data shard as INDEX/COUNT (default: from the peer id).")
 @click.option("--no-overlap", is_flag=True, help="Apply each exchange before the next inner step.")
@@ -165,6 +176,8 @@ def join(
     metrics_host: str,
     log_file: Path | None,
     log_format: str,
+    tensorboard: Path | None,
+    wandb_project: str | None,
     rounds: int | None,
     shard: str | None,
     no_overlap: bool,
@@ -303,6 +316,8 @@ def join(
         metrics_host=metrics_host,
         log_file=log_file,
         log_format=log_format,
+        tensorboard=tensorboard,
+        wandb=wandb_project,
         rounds=rounds,
         shard=shard_t,
         overlap=not no_overlap,

@@ -45,6 +45,7 @@ from locomm.config import ConfigError, RunSpec
 from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.options import NodeOptions
 from locomm.peer.spec_sync import settle_spec
+from locomm.peer.trackers import Trackers
 from locomm.peer.transport import leftovers
 from locomm.peer.transport.gossip import Faults, Gossip
 from locomm.peer.transport.records import (
@@ -80,6 +81,9 @@ class Host:
         self.hurry = asyncio.Event()
         """Set by a second signal: leave at once (no more waiting on exchanges or partners)."""
         self.events = EventLog(opts.log_file)
+        self.trackers = Trackers(tensorboard=opts.tensorboard, wandb_project=opts.wandb)  # ConfigError: not installed
+        if self.trackers.enabled:
+            self.events.sinks.append(self.trackers)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locomm-compute")
         self.codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="locomm-codec")
         self.beats: dict[str, Heartbeat] = {}
@@ -136,6 +140,8 @@ class Host:
             await self.publish_spec()
             net = self.spec.network
             self.run_id = self.spec.hash()[:16]
+            if self.trackers.enabled:
+                await asyncio.to_thread(self.trackers.start, self.run_id, self.me, self.spec.to_dict())
             if not known:
                 self.validator.set_run(self.run_id, net.heartbeat_ttl_s)
                 self._forget_unchecked(peers_key(self.run_id))
@@ -226,6 +232,8 @@ class Host:
             leftovers.forget(self._p2pd_record, self.p2p)
         self.pool.shutdown(wait=True)
         self.codec_pool.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.to_thread(self.trackers.close), 30)
         self.events.close()
         if self._id_dir is not None:
             shutil.rmtree(self._id_dir, ignore_errors=True)

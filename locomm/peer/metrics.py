@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -88,12 +89,20 @@ class EventLog:
         self._f: IO[str] | None = None
         self._lock = threading.Lock()
         self.dropped = 0
+        self.sinks: list[Callable[[str, dict[str, Any]], None]] = []
+        """Also called with every event (trackers: peer/trackers.py); a sink that raises is dropped, logged."""
         if path is not None:
             private_dir(path.parent)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # the user's alone, as every file
             self._f = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, event: str, **fields: Any) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink(event, fields)
+            except Exception as e:  # noqa: BLE001 - a tracker never stops a peer
+                log.warning("an event sink failed (%s: %s); it is dropped", type(e).__name__, e)
+                self.sinks.remove(sink)
         if self._f is None:
             return
         line = json.dumps({"event": event, "time": time.time(), **fields}, default=float) + "\n"

@@ -36,6 +36,10 @@ class NodeOptions:
     metrics_host: str = "127.0.0.1"
     """Address the metrics server binds (0.0.0.0: every interface, e.g. in a container)."""
     log_file: Path | None = None
+    tensorboard: Path | None = None
+    """TensorBoard's log folder: scalars of every round under ``<run id>/<peer id>`` (peer/trackers.py)."""
+    wandb: str | None = None
+    """A W&B project: this peer's run, grouped by the swarm's run id (peer/trackers.py)."""
     rounds: int | None = None
     """Stop after this many rounds (default: the rounds spec.train.steps allows)."""
     wait_for_peers: int = 0

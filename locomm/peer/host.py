@@ -518,11 +518,11 @@ def dump_tasks() -> None:
     import traceback  # noqa: PLC0415
 
     out = io.StringIO()
-    for task in asyncio.all_tasks():
-        out.write(f"--- task {task.get_name()}: {task.get_coro()!r}\n")
-        task.print_stack(limit=12, file=out)
     for ident, frame in sys._current_frames().items():  # noqa: SLF001 - the thread stacks, as faulthandler gives
         out.write(f"--- thread {ident}\n{''.join(traceback.format_stack(frame, limit=12))}")
+    for task in asyncio.all_tasks():  # last: a log's tail shows where the event loop's tasks wait
+        out.write(f"--- task {task.get_name()}: {task.get_coro()!r}\n")
+        task.print_stack(limit=12, file=out)
     log.warning("SIGUSR1: every task and thread now\n%s", out.getvalue())
 
 

@@ -117,6 +117,14 @@ class Presence:
         """Set when the last pause request has its answer: paused, or called off (``refusal`` says why)."""
         self.refusal: str | None = None
         """Why the last pause was called off after it was asked for (None: it was not)."""
+        self.gossip: Gossip | None = None
+
+    def wire(self, gossip: Gossip) -> None:
+        """The driver's exchange: its waits learn from partners' heartbeats who will send nothing more and who
+        serves a payload to pull now, and our heartbeat says what we serve (every driver alike)."""
+        self.gossip = gossip
+        gossip.gone = self.partner_gone  # a partner that left, paused, or moved on serving nothing: no waiting
+        gossip.serves = self.partner_serves  # a partner whose push failed: pull it now
 
     # -- heartbeats, summaries -------------------------------------------------------------
 
@@ -129,6 +137,8 @@ class Presence:
                 fields[k] = finite(fields[k])
         if self.left:  # the goodbye: it serves nothing any more
             fields["serves"] = ()
+        elif "serves" not in fields and self.gossip is not None:
+            fields["serves"] = tuple(self.gossip.serving())
         return Heartbeat(
             peer=h.me,
             started=self.started,
@@ -208,10 +218,10 @@ class Presence:
         return got
 
     def partner_gone(self, peer: str, round_idx: int) -> bool:
-        """``Gossip.gone``: whether ``peer`` left or was paused and will not send ``round_idx``'s payload: it left
-        before that round, or its final or paused heartbeat does not list the round in ``serves`` (what it had
-        sent has come; what it still serves we pull). While we wait on a partner, the heartbeats are read again
-        about once a second, so a goodbye is seen soon."""
+        """``Gossip.gone``: whether ``peer`` will not send ``round_idx``'s payload: it left or was paused, or it
+        is two rounds past it (its exchange of that round is over), and its heartbeat does not list the round in
+        ``serves`` (what it had sent has come; what it still serves we pull). While we wait on a partner, the
+        heartbeats are read again about once a second, so a goodbye is seen soon."""
         b = self.host.beats.get(peer)
         if b is not None and sends_nothing_more(b, round_idx):
             return True

@@ -262,9 +262,11 @@ def admission_rounds(beats: Iterable[Heartbeat]) -> dict[str, int]:
 
 def sends_nothing_more(b: Heartbeat, round_idx: int) -> bool:
     """Whether a partner's heartbeat says nothing more of its payload of ``round_idx`` will come: it left or
-    paused, and does not list the round in ``serves`` (what it had sent has come or is moving; what it still
-    serves is pulled)."""
-    return (b.finished or b.paused) and round_idx not in b.serves
+    paused, or it is two rounds past that one (its exchange of the round is over: what it pushed has come or is
+    moving, nothing is retried), and it does not list the round in ``serves`` (what it still serves is pulled).
+    Without the last case a replica two rounds behind its sibling waited out every round's deadline for
+    payloads the sibling no longer served, and held it there (a 2-stage pipeline at 30 s a round)."""
+    return (b.finished or b.paused or b.round >= round_idx + 2) and round_idx not in b.serves
 
 
 def members_for_round(

@@ -360,3 +360,29 @@ def test_a_moving_transfer_is_not_waited_for_past_the_round_deadline(pool):
         assert now() - t0 < 30.0
 
     run(body())
+
+
+def test_a_partner_two_rounds_ahead_is_not_waited_for_unless_it_serves_the_round(pool):
+    """B is two rounds behind C. C's heartbeat (round 2) lists no round 0 in ``serves``: its exchange of round 0
+    is over, nothing of it will come, and B goes on at once, pulling nothing. When C does list it (its push to
+    B failed and it still serves it), B pulls it at once. (Before, B waited for C's ETA every round, then pulled a
+    payload C no longer served: two pipeline replicas a round or two apart each waited out every round's deadline
+    and the swarm crawled at 30 s a round, CI's 411 s pipeline test.)"""
+
+    async def body():
+        net = FakeNet()
+        b, c = await peer(net, B, pool), await peer(net, C, pool)
+        beats = {C: Heartbeat(peer=C, round=2, serves=())}
+        b.gone = lambda p, r: p in beats and sends_nothing_more(beats[p], r)
+        b.serves = lambda p, r: p in beats and r in beats[p].serves
+        got, dt = await exchange(b, 0, [C], 1, eta_s=10.0)
+        assert got == {} and b.stats.gone_skipped == 1 and b.stats.pulls == 0 and b.stats.gave_up == 0
+        assert dt <= 0.5 + 1e-6, dt
+
+        net.cuts[(C, B)] = 0  # C's push of round 1 never reaches B: C serves it to a puller
+        c.on_serving = lambda: beats.__setitem__(C, Heartbeat(peer=C, round=3, serves=tuple(c.serving())))
+        (got_b, dt_b), _ = await asyncio.gather(exchange(b, 1, [C], 3, eta_s=10.0), exchange(c, 1, [B], 4))
+        assert set(got_b) == {C} and b.stats.pulls == 1, (got_b, b.stats.pulls)
+        assert dt_b < LIMITS.request_timeout_s + LIMITS.stall_timeout_s + 2 * ONE_PAYLOAD_S + 1.0, dt_b
+
+    run(body())

@@ -165,7 +165,6 @@ class Node:
         return self.presence.beat(
             **{k: c[k] for k in ("round", "step", "loss", "val_loss", "tokens_per_s", "bytes_sent")},
             join_round=self.join_round,
-            serves=tuple(self.gossip.serving()),
             eta_s=self._eta_s(),
             last_exchange=g.last_exchange,
             avg_maddrs=tuple(self.averager.maddrs()) if self.averager is not None else (),
@@ -324,8 +323,7 @@ class Node:
         self.gossip = host.gossip(self.codec)
         self.roster = Partners(host, self.spec, self.codec.raw_bytes())
         self.gossip.admit = self.roster.admit  # only a round's partners may push to us
-        self.gossip.gone = self.presence.partner_gone  # a partner that left: no waiting
-        self.gossip.serves = self.presence.partner_serves  # a partner whose push failed: pull it now
+        self.presence.wire(self.gossip)
         self.gossip.on_serving = self.host.publish_soon  # ours failed: say so, partners pull it
         self.state_server = StateServer(host.run_id)
         warm = asyncio.get_running_loop().run_in_executor(host.codec_pool, self.codec.warm_up)

@@ -252,7 +252,7 @@ class Stage:
             self.round = self._rounds_due = self.svc.data_clock() // spec.outer.inner_steps
         self.gossip = host.gossip(self.codec)
         self.gossip.admit = self._admit_sync  # replica-sync pushes only from replicas of this stage
-        self.gossip.gone = self.presence.partner_gone  # a sibling that left or paused: no waiting
+        self.presence.wire(self.gossip)
         self.state_server = StateServer(host.run_id)
         await host.serve(self.svc.service(), self.gossip.service(), self.state_server.service())
         host.heartbeat = self.heartbeat

@@ -30,16 +30,22 @@ def _dynamic_map() -> torch.Tensor:
 
 
 class Blockwise8Codec(PartsCodec):
-    """Blockwise 8-bit quantization.
+    """Blockwise 8-bit quantization (needs the ``int8`` extra: bitsandbytes).
 
     Args:
         blocksize: elements per absmax block (64..4096, a power of two).
     """
 
     name: ClassVar[str] = "blockwise8"
+    requires: ClassVar[tuple[str, ...]] = ("bitsandbytes",)
+    """Optional packages it needs (``registry.missing_packages`` checks them before a run starts)."""
     magic: ClassVar[bytes] = b"LCB8"
 
     def __init__(self, blocksize: int = 4096) -> None:
+        import importlib.util  # noqa: PLC0415
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("the blockwise8 codec needs bitsandbytes: pip install 'locomm[int8]'")
         if blocksize not in BLOCKSIZES:
             raise ValueError(f"blocksize must be one of {BLOCKSIZES}, got {blocksize}")
         self.blocksize = blocksize

@@ -33,7 +33,7 @@ import torch
 
 from locomm.compression.base import Codec, CodecError, OversizeError, TensorRole, tensor_bytes, tensor_from_bytes
 from locomm.compression.choice import codec_choice
-from locomm.compression.registry import available_codecs, codec_class, get_codec
+from locomm.compression.registry import available_codecs, codec_class, get_codec, missing_packages
 
 PART_ELEMS = 1 << 20
 """Default elements per part (4 MiB of fp32)."""
@@ -141,6 +141,10 @@ class PayloadCodec:
             if not allowed_stack(stack):
                 raise ValueError(
                     f"compression.{role}: unknown codec stack {stack!r}; codecs: {', '.join(available_codecs())}"
+                )
+            if missing := missing_packages(stack):  # before any round: a codec that cannot load is a setup error
+                raise ValueError(
+                    f"compression.{role}: {stack!r} needs {', '.join(missing)}: pip install 'locomm[int8]'"
                 )
             for k, shape in shapes.items():
                 dt = torch.float32 if prefix in encoded else wire_dtype(stack)

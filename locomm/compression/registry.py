@@ -37,6 +37,15 @@ def codec_class(name: str) -> type[Codec]:
     return getattr(importlib.import_module(mod), cls)  # type: ignore[no-any-return]
 
 
+def missing_packages(stack: str) -> list[str]:
+    """The optional packages a codec stack needs that are not installed (a codec class's ``requires``)."""
+    import importlib.util  # noqa: PLC0415
+
+    names = [n.strip() for n in stack.split("+")]
+    need = {pkg for n in names for pkg in getattr(codec_class(n), "requires", ())}
+    return sorted(p for p in need if importlib.util.find_spec(p) is None)
+
+
 def get_codec(name: str, impl: str = "auto", **options: Any) -> Codec:
     """Build a codec, or a stack for ``"a+b+..."`` (lossy stages first, lossless last).
 

@@ -226,3 +226,18 @@ def test_no_asyncio_or_sockets_in_compression() -> None:
             )
             for n in names:
                 assert n.split(".")[0] not in {"asyncio", "socket", "trio", "selectors"}, (path.name, n)
+
+
+def test_a_codec_whose_package_is_not_installed_is_refused_before_the_run(monkeypatch):
+    """bitsandbytes is the int8 extra's: without it a spec naming blockwise8 is refused when its payload layout
+    is built (at start), naming the extra; the default stacks need nothing optional."""
+    import importlib.util
+
+    from locomm.compression.registry import missing_packages
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert missing_packages("blockwise8+lossless") == ["bitsandbytes"]
+    assert missing_packages("bf16+lossless") == [] and missing_packages("lossless") == []
+    with pytest.raises(ValueError, match=r"locomm\[int8\]"):
+        get_codec("blockwise8")

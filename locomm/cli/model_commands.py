@@ -100,6 +100,9 @@ def export(
 @click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k likeliest bytes only.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=lambda: os.environ.get("LOCOMM_DEVICE", "cpu"), show_default="cpu")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON line: the prompt, the continuation, the settings."
+)
 def generate(
     checkpoint_dirs: tuple[Path, ...],
     weights: str | None,
@@ -111,6 +114,7 @@ def generate(
     top_k: int | None,
     seed: int,
     device: str,
+    as_json: bool,
 ) -> None:
     """Print the prompt and the model's continuation (bytes that are not UTF-8 show as U+FFFD)."""
     w = _load(checkpoint_dirs, weights, config, preset)
@@ -119,7 +123,21 @@ def generate(
     model = build_model_from(w, _device(device))
     data = prompt.encode("utf-8")
     new = sample(model, list(data), max_new=max_bytes, temperature=temperature, top_k=top_k, seed=seed)
-    click.echo(bytes(data + bytes(t for t in new if t < 256)).decode("utf-8", errors="replace"))
+    continuation = bytes(t for t in new if t < 256)
+    if as_json:
+        emit_json(
+            {
+                "source": w.source,
+                "prompt": prompt,
+                "continuation": continuation.decode("utf-8", errors="replace"),
+                "continuation_bytes": len(continuation),
+                "temperature": temperature,
+                "top_k": top_k,
+                "seed": seed,
+            }
+        )
+        return
+    click.echo(bytes(data + continuation).decode("utf-8", errors="replace"))
 
 
 @click.command("eval")

@@ -214,6 +214,9 @@ def test_generate_and_eval_run_a_pipeline_that_plain_llama_cannot(nano_spec, tmp
     assert gen.exit_code == 0, gen.output
     ours = sample(reference, list(b"def "), max_new=20, temperature=0)
     assert gen.output == bytes(list(b"def ") + [t for t in ours if t < 256]).decode(errors="replace") + "\n"
+    js = CliRunner().invoke(generate, [*args, "--prompt", "def ", "--temperature", "0", "--max-bytes", "20", "--json"])
+    out = json.loads(js.output.splitlines()[-1])
+    assert js.exit_code == 0 and out["prompt"] == "def " and out["prompt"] + out["continuation"] + "\n" == gen.output
     ev = CliRunner().invoke(eval_command, [*args, "--device", "cpu", "--json"])
     assert ev.exit_code == 0 and math.isfinite(json.loads(ev.output.splitlines()[-1])["val_loss"]), ev.output
 

@@ -8,7 +8,8 @@ tokens and schedule, one seed (``train.seed`` and ``outer.seed`` together). The 
 - ``hold``: AdamS holds off-mask weights, moments and decay (``outer.scape_hold``);
 - ``hold+refresh``: + the owner ranks its slice by |m + w*r| (``outer.scape_residual_weight`` 0.1);
 - ``hold+refresh+decay``: + the residual decays by 0.9 a step (``outer.scape_residual_decay``);
-- ``default``: the spec's defaults (all of the above and a dense warm-up of ``outer.scape_dense_steps``).
+- ``default``: the spec's defaults (all of the above and a dense warm-up of ``outer.scape_dense_steps``);
+- ``hold+refresh1+decay``, ``refresh1+decay``: a residual weight of 1, with and without hold.
 
 Dense AdamS (``adams_ddp``) runs at each ``--lrs`` value; every SCAPE variant runs at ``--scape-lr`` (the dense
 sweep's best, once known) so the two compare at one tuned lr. Each entry is written atomically to
@@ -41,6 +42,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "hold+refresh": {**V0, "scape_hold": True, "scape_residual_weight": 0.1},
     "hold+refresh+decay": {**V0, "scape_hold": True, "scape_residual_weight": 0.1, "scape_residual_decay": 0.9},
     "default": {},
+    # past the cumulative list: a residual weight that brings a coordinate back within a few steps (at 0.1 an
+    # off-mask coordinate needs ~100 steps of noise-sized residual to outrank the mask), with and without hold
+    "hold+refresh1+decay": {**V0, "scape_hold": True, "scape_residual_weight": 1.0, "scape_residual_decay": 0.9},
+    "refresh1+decay": {**V0, "scape_residual_weight": 1.0, "scape_residual_decay": 0.9},
 }
 STEPS = {"nano": 300, "tiny": 500}
 

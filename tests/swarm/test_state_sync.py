@@ -66,7 +66,7 @@ async def net() -> AsyncIterator[Swarm]:
     peers: list[P2P] = []
     try:
         peers += await asyncio.gather(*(P2P.create(host_maddrs=LOOPBACK) for _ in range(DONORS)))
-        servers = [StateServer(RUN) for _ in peers]
+        servers = [StateServer(RUN, copies=1000) for _ in peers]  # one joiner fetches in many scenarios here
         for p, server in zip(peers, servers):
             await RpcServer(p, RUN, LIMITS, pool, authorize=None).add(server.service())
         maddrs = [str(m) for p in peers for m in await p.get_visible_maddrs()]

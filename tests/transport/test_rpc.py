@@ -893,3 +893,37 @@ def test_state_fetch_is_served_from_the_previous_snapshot_too(pool):
         assert ErrorCode(head["status"]) == ErrorCode.NOT_READY and h.fault_log == []
 
     run(body())
+
+
+def test_state_fetch_spends_at_most_a_few_copies_of_the_state_on_one_requester(pool):
+    """One requester may fetch FETCH_COPIES copies of the state per FETCH_WINDOW_S (a clock injected): the next
+    fetch is NOT_READY (not a fault) saying when to ask again, another requester is served meanwhile, and the
+    budget comes back as the window slides."""
+    from locomm.peer.transport.state_sync import FETCH_COPIES, FETCH_WINDOW_S, Snapshot, StateServer
+    from locomm.protocol.state_messages import state_fetch_header
+
+    async def body():
+        h = Harness(pool)
+        t = [1000.0]
+        server = StateServer(RUN, clock=lambda: t[0])
+        server.snapshot = snap = Snapshot.take(0, {"w": torch.ones(4, 4), "b": torch.ones(4)})
+
+        async def fetch(sender: str, names: list[str]) -> ErrorCode:
+            reader = asyncio.StreamReader()
+            reader.feed_data(pack_frame(state_fetch_header(RUN, sender, names, snap.state_hash)))
+            reader.feed_eof()
+            writer = FakeWriter()
+            await asyncio.wait_for(h.server._serve(server.service(), sender, reader, writer), 30)
+            n = HEADER_LEN.unpack_from(writer.buf, 0)[0]
+            return ErrorCode(msgpack.unpackb(bytes(writer.buf[HEADER_LEN.size : HEADER_LEN.size + n]))["status"])
+
+        for _ in range(FETCH_COPIES):  # whole copies, in two batches each
+            assert await fetch(SENDER, ["w"]) == ErrorCode.OK and await fetch(SENDER, ["b"]) == ErrorCode.OK
+            t[0] += 10
+        assert await fetch(SENDER, ["b"]) == ErrorCode.NOT_READY and server.refused_budget == 1
+        assert await fetch("QmOtherPeer", ["w", "b"]) == ErrorCode.OK  # the budget is per requester
+        t[0] += FETCH_WINDOW_S - 10  # the first copy left the window
+        assert await fetch(SENDER, ["w", "b"]) == ErrorCode.OK
+        assert h.fault_log == []
+
+    run(body())

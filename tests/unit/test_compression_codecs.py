@@ -236,7 +236,7 @@ def test_a_codec_whose_package_is_not_installed_is_refused_before_the_run(monkey
     from locomm.compression.registry import missing_packages
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
     assert missing_packages("blockwise8+lossless") == ["bitsandbytes"]
     assert missing_packages("bf16+lossless") == [] and missing_packages("lossless") == []
     with pytest.raises(ValueError, match=r"locomm\[int8\]"):

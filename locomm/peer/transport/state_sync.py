@@ -44,7 +44,8 @@ import logging
 import math
 import statistics
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -64,6 +65,11 @@ from locomm.protocol.state_messages import (
 
 log = logging.getLogger(__name__)
 FETCH_BATCH_BYTES = 32 << 20
+FETCH_COPIES = 3
+"""How many copies of the whole state one requester may fetch from us within FETCH_WINDOW_S: a joiner takes one
+per attempt (a retry may take a second; the median rule takes one from each of several donors, not several from
+one), so a requester past it is refused NOT_READY, not a fault, and our upload is not anyone's to spend."""
+FETCH_WINDOW_S = 600.0
 UNAUTHORIZED_RETRIES = 5
 MAX_DONORS = 8
 """Donors asked for a manifest, at most (the caller passes a few, say 5)."""
@@ -139,10 +145,30 @@ class StateServer:
     heartbeat in the swarm may ask; nobody else.
     """
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, clock: Callable[[], float] = time.monotonic, copies: int = FETCH_COPIES) -> None:
         self.run_id = run_id
+        self.clock, self.copies = clock, copies
         self._current: Snapshot | None = None
         self._previous: Snapshot | None = None
+        self._sent: dict[str, deque[tuple[float, int]]] = {}
+        """Requester -> (when, bytes) of what we sent it within FETCH_WINDOW_S."""
+        self.refused_budget = 0
+
+    def _charge(self, requester: str, nbytes: int, state_bytes: int) -> None:
+        """Count ``nbytes`` against the requester's budget (``copies`` states per FETCH_WINDOW_S), or refuse."""
+        now = self.clock()
+        sent = self._sent.setdefault(requester, deque())
+        while sent and sent[0][0] < now - FETCH_WINDOW_S:
+            sent.popleft()
+        for peer in [p for p, q in self._sent.items() if not q]:  # requesters with nothing in the window
+            del self._sent[peer]
+        if sum(n for _, n in sent) + nbytes > self.copies * state_bytes:
+            self.refused_budget += 1
+            wait = FETCH_WINDOW_S - (now - sent[0][0]) if sent else FETCH_WINDOW_S
+            raise ProtocolViolation(
+                ErrorCode.NOT_READY, f"{self.copies} copies of our state sent to you lately; ask again in {wait:.0f} s"
+            )
+        self._sent.setdefault(requester, sent).append((now, nbytes))
 
     @property
     def snapshot(self) -> Snapshot | None:
@@ -181,6 +207,7 @@ class StateServer:
             raise ProtocolViolation(ErrorCode.NOT_READY, "state moved on")
         body = [snap.tensors[n] for n in names]
         sizes = [t.numel() * 4 for t in body]
+        self._charge(call.remote, sum(sizes), sum(t.numel() * 4 for t in snap.tensors.values()))
         await call.answer(ErrorCode.OK, sizes=sizes)
         call.link.meter.direction = "send"
         call.link.expect(sum(sizes) + 4 * len(sizes))

@@ -66,7 +66,7 @@ def doctor(
     """
     try:
         host_maddrs, announce_maddrs = listen_addrs(host_maddrs, port, public_ip, announce_maddrs)
-        spec = load_spec(config, preset or (None if config else "nano"))
+        spec = load_spec(config, preset)
         key = check_swarm_key(swarm_key)
         if any("/p2p/" not in m for m in initial_peers):
             raise ConfigError("--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>")

@@ -19,7 +19,7 @@ from locomm.config.training import SHARDINGS
 
 @click.command()
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="Run spec (TOML).")
-@click.option("--preset", type=PRESETS, help="Model size preset (default: tiny, or $LOCOMM_PRESET).")
+@click.option("--preset", type=PRESETS, help="Model size preset (default: nano, or $LOCOMM_PRESET).")
 @click.option("--steps", type=int, help="Inner steps (overrides train.steps).")
 @click.option(
     "--device",
@@ -193,7 +193,7 @@ def simulate(
             raise ConfigError("--sparsity goes with --algo scape")
         if algo is None:
             raise ConfigError("--algo is required (or give --pipeline SxR)")
-        spec = load_spec(config, preset or (None if config else "nano"))
+        spec = load_spec(config, preset)
         spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps is not None else {}))
         spec = _seeded(spec, seed, sharding)
         if rounds < 1:
@@ -251,7 +251,7 @@ def _simulate_pipeline(
         from locomm.sim.network import parse_link  # noqa: PLC0415 - numpy only
 
         stages, replicas = parse_pipeline(shape)
-        spec = load_spec(config, preset or (None if config else "nano"))
+        spec = load_spec(config, preset)
         spec = spec.replace("pipeline", stages=stages, **({"subspace": False} if no_subspace else {}))
         spec = spec.replace(
             "outer",
@@ -302,7 +302,7 @@ def _simulate_scape(
     try:
         from locomm.sim.network import parse_link  # noqa: PLC0415 - numpy only
 
-        spec = load_spec(config, preset or (None if config else "nano"))
+        spec = load_spec(config, preset)
         if inner_steps is not None:
             spec = spec.replace("outer", inner_steps=inner_steps)
         if sparsity is not None:

@@ -43,13 +43,19 @@ def check_swarm_key(path: Path | None) -> Path | None:
 
 
 def load_spec(config: str | None, preset: str | None) -> RunSpec:
-    """The run spec from --config (TOML) or --preset; the two together: preset sizes, then the file."""
+    """The run spec from --config (TOML) or --preset (else $LOCOMM_PRESET, else DEFAULT_PRESET); the two together:
+    preset sizes, then the file."""
     if config:
         spec = RunSpec.load(config)
         if preset and preset != spec.model.preset:
             raise ConfigError(f"--preset {preset} conflicts with model.preset={spec.model.preset!r} in {config}")
         return spec
-    return RunSpec.preset(preset or os.environ.get("LOCOMM_PRESET", "tiny"))
+    return RunSpec.preset(preset or os.environ.get("LOCOMM_PRESET") or DEFAULT_PRESET)
+
+
+DEFAULT_PRESET = "nano"
+"""The preset every command uses without --preset or --config (or $LOCOMM_PRESET): one default, the one a 2-core
+laptop trains in a minute."""
 
 
 DEFAULT_PORT = 31337

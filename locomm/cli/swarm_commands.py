@@ -215,7 +215,7 @@ def join(
         if initial_peers and new_swarm:
             raise ConfigError("--new-swarm starts a swarm; --initial-peers joins one: give one of them")
         host_maddrs, announce_maddrs = listen_addrs(host_maddrs, port, public_ip, announce_maddrs)
-        spec = load_spec(config, preset or (None if config else "nano"))
+        spec = load_spec(config, preset)
         if not config:
             spec = spec.replace(
                 "outer", algo=algo or "noloco", **({"inner_steps": inner_steps} if inner_steps is not None else {})
@@ -414,7 +414,7 @@ def swarm(
             stages, replicas = parse_pipeline(pipeline_shape)
             if rounds < 1:
                 raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
-            spec = load_spec(config, preset or (None if config else "nano"))
+            spec = load_spec(config, preset)
             spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps else {}))
             spec = spec.replace("pipeline", stages=stages, **({"subspace": False} if no_subspace else {}))
             spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)
@@ -447,7 +447,7 @@ def swarm(
             raise ConfigError(f"--peers: must be in [2, 32], got {peers}")
         if rounds < 1:
             raise ConfigError(f"--rounds: must be >= 1, got {rounds}")
-        spec = load_spec(config, preset or (None if config else "nano"))
+        spec = load_spec(config, preset)
         spec = spec.replace("outer", algo=algo, **({"inner_steps": inner_steps} if inner_steps is not None else {}))
         if rounds * spec.outer.inner_steps > spec.train.steps:  # the LR schedule spans the whole run
             spec = spec.replace("train", steps=rounds * spec.outer.inner_steps)

@@ -41,7 +41,7 @@ def missing_packages(stack: str) -> list[str]:
     """The optional packages a codec stack needs that are not installed (a codec class's ``requires``)."""
     import importlib.util  # noqa: PLC0415
 
-    names = [n.strip() for n in stack.split("+")]
+    names = [n.strip() for n in stack.split("+") if n.strip() in _REGISTRY]  # "none": no codec, nothing needed
     need = {pkg for n in names for pkg in getattr(codec_class(n), "requires", ())}
     return sorted(p for p in need if importlib.util.find_spec(p) is None)
 

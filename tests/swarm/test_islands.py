@@ -36,7 +36,9 @@ def test_two_islands_of_two_sync_every_step_and_meet_by_noloco(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["rounds_completed"] == rounds and summary["final_loss"] < summary["initial_loss"] - 1.0
-    sparsity = RunSpec.preset("nano").outer.scape_sparsity
+    outer = RunSpec.preset("nano").outer
+    sparsity, dense = outer.scape_sparsity, max(2, outer.scape_dense_steps)
+    assert dense < rounds * h, "no sparse step to check"
     finished = {i: events(keep / f"peer{i}.jsonl", "finished")[0] for i in range(4)}
     for a, b in ((0, 1), (2, 3)):
         steps = {i: {e["step"]: e for e in events(keep / f"peer{i}.jsonl", "island_step")} for i in (a, b)}
@@ -50,13 +52,14 @@ def test_two_islands_of_two_sync_every_step_and_meet_by_noloco(tmp_path):
         assert finished[rep]["exchanges_ok"] >= 1  # the island met the other one
         for i in (a, b):
             assert finished[i]["final_loss"] < finished[i]["initial_loss"] - 1.0
-        for t in range(2, rounds * h):  # steps 0 and 1 are dense (no first moment yet), then sparse
+        for t in range(dense):  # the dense warm-up (steps 0 and 1 at least: no first moment yet)
+            assert steps[fol][t]["values"] == steps[fol][t]["dense"] // 4, steps[fol][t]
+        for t in range(dense, rounds * h):  # then sparse
             e = steps[fol][t]
             n = e["dense"] // 4
             assert e["values"] <= math.ceil((1 - sparsity) * n) + 2, e
             assert 4 * e["values"] <= e["sent"] <= 4 * e["values"] + 6 * e["values"] // 2 + 8, e  # values + slice
             assert e["received"] <= 4 * e["values"] + 6 * e["values"] + 8, e  # values + the whole next mask
-        assert steps[fol][0]["values"] == steps[fol][0]["dense"] // 4
     # the followers are members of no round: the representatives' rounds name only the two of them
     reps = {i for i in range(4) if finished[i]["island"]["leading"]}
     ids = {finished[i]["peer"]: i for i in range(4)}

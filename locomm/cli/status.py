@@ -12,6 +12,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +243,32 @@ def _f(x: Any, fmt: str = "{:.3f}") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) else "-"
 
 
+async def read_forever(
+    initial_peers: list[str], swarm_key: Path | None = None, interval_s: float = 2.0
+) -> AsyncIterator[dict[str, Any]]:
+    """Snapshots of the swarm every ``interval_s``, from one DHT client (a new one only after a failure); a read
+    that fails yields ``{"error": ...}`` (an unreachable swarm, a bad multiaddr: one line, not a traceback)."""
+    reader: SwarmReader | None = None
+    try:
+        while True:
+            try:
+                if reader is None:
+                    reader = await asyncio.wait_for(SwarmReader(initial_peers, swarm_key).__aenter__(), 60)
+                snap = await asyncio.wait_for(reader.read(), 60)
+            except Exception as e:  # noqa: BLE001 - shown to the user, then read again
+                snap = {"error": f"cannot read the swarm: {type(e).__name__}: {e}"}
+                if reader is not None:
+                    with contextlib.suppress(Exception):
+                        await reader.__aexit__(None, None, None)
+                    reader = None
+            yield snap
+            await asyncio.sleep(interval_s)
+    finally:
+        if reader is not None:
+            with contextlib.suppress(Exception):
+                await reader.__aexit__(None, None, None)
+
+
 def show_status(initial_peers: list[str], *, watch: bool, as_json: bool, swarm_key: Path | None = None) -> None:
     console = Console()
 
@@ -249,24 +276,13 @@ def show_status(initial_peers: list[str], *, watch: bool, as_json: bool, swarm_k
         if (error := unnamed(initial_peers)) is not None:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
-        reader: SwarmReader | None = None
+        snaps = read_forever(initial_peers, swarm_key)
         try:
-            while True:
-                try:
-                    if reader is None:  # one client for every refresh; a new one only after a failure
-                        reader = await asyncio.wait_for(SwarmReader(initial_peers, swarm_key).__aenter__(), 60)
-                    snap = await asyncio.wait_for(reader.read(), 60)
-                except Exception as e:  # unreachable swarm, bad multiaddr: one line, not a traceback
-                    snap = {"error": f"cannot read the swarm: {type(e).__name__}: {e}"}
-                    if reader is not None:
-                        with contextlib.suppress(Exception):
-                            await reader.__aexit__(None, None, None)
-                        reader = None
+            async for snap in snaps:  # --watch outlives a swarm that is restarting or not up yet
                 if "error" in snap:
                     print(f"error: {snap['error']}", file=sys.stderr)
                     if not watch:
                         sys.exit(2)
-                    await asyncio.sleep(2)  # --watch outlives a swarm that is restarting or not up yet
                     continue
                 if as_json:
                     print(json.dumps(snap, sort_keys=True, default=float), flush=True)
@@ -274,11 +290,8 @@ def show_status(initial_peers: list[str], *, watch: bool, as_json: bool, swarm_k
                     console.print(render(snap))
                 if not watch:
                     return
-                await asyncio.sleep(2)
         finally:
-            if reader is not None:
-                with contextlib.suppress(Exception):
-                    await reader.__aexit__(None, None, None)
+            await snaps.aclose()
 
     try:
         asyncio.run(run())

@@ -23,7 +23,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from locomm.cli.status import SwarmReader
+from locomm.cli.status import read_forever
 
 log = logging.getLogger(__name__)
 
@@ -71,27 +71,12 @@ class StatusPage:
         return {"snapshot": self.snapshot, "history": list(self.history), "updated": self.updated, "error": self.error}
 
     async def refresh_forever(self) -> None:
-        reader: SwarmReader | None = None
+        snaps = read_forever(self.initial_peers, self.swarm_key, self.interval_s)
         try:
-            while True:
-                try:
-                    if reader is None:  # one client for every refresh; a new one only after a failure
-                        reader = await asyncio.wait_for(
-                            SwarmReader(self.initial_peers, self.swarm_key).__aenter__(), 60
-                        )
-                    snap = await asyncio.wait_for(reader.read(), 60)
-                except Exception as e:  # noqa: BLE001 - an unreachable swarm is shown, not raised
-                    snap = {"error": f"cannot read the swarm: {type(e).__name__}: {e}"}
-                    if reader is not None:
-                        with contextlib.suppress(Exception):
-                            await reader.__aexit__(None, None, None)
-                        reader = None
+            async for snap in snaps:
                 self.note(snap, time.time())
-                await asyncio.sleep(self.interval_s)
         finally:
-            if reader is not None:
-                with contextlib.suppress(Exception):
-                    await reader.__aexit__(None, None, None)
+            await snaps.aclose()
 
     # -- HTTP ------------------------------------------------------------------------
 

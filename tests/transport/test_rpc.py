@@ -924,6 +924,8 @@ def test_state_fetch_spends_at_most_a_few_copies_of_the_state_on_one_requester(p
         assert await fetch("QmOtherPeer", ["w", "b"]) == ErrorCode.OK  # the budget is per requester
         t[0] += FETCH_WINDOW_S - 10  # the first copy left the window
         assert await fetch(SENDER, ["w", "b"]) == ErrorCode.OK
+        t[0] += FETCH_WINDOW_S + 1  # everything left it: nothing is held for requesters that stopped asking
+        assert await fetch(SENDER, ["b"]) == ErrorCode.OK and set(server._sent) == {SENDER}
         assert h.fault_log == []
 
     run(body())

@@ -157,11 +157,12 @@ class StateServer:
     def _charge(self, requester: str, nbytes: int, state_bytes: int) -> None:
         """Count ``nbytes`` against the requester's budget (``copies`` states per FETCH_WINDOW_S), or refuse."""
         now = self.clock()
-        sent = self._sent.setdefault(requester, deque())
-        while sent and sent[0][0] < now - FETCH_WINDOW_S:
-            sent.popleft()
-        for peer in [p for p, q in self._sent.items() if not q]:  # requesters with nothing in the window
-            del self._sent[peer]
+        for peer, q in list(self._sent.items()):  # every requester's history ends at the window: what we hold is
+            while q and q[0][0] < now - FETCH_WINDOW_S:  # bounded by what we sent lately, not by who ever asked
+                q.popleft()
+            if not q:
+                del self._sent[peer]
+        sent = self._sent.get(requester, deque())
         if sum(n for _, n in sent) + nbytes > self.copies * state_bytes:
             self.refused_budget += 1
             wait = FETCH_WINDOW_S - (now - sent[0][0]) if sent else FETCH_WINDOW_S

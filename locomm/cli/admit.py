@@ -49,7 +49,7 @@ def admit(
     """Admission certificates: make a founder key, sign a member's peer id, or print a member's peer id."""
     from locomm.peer.transport.admission import Certificate, founder_id, load_founder
     from locomm.peer.transport.admission import new_founder as make
-    from locomm.peer.transport.records import _PEER_ID_RE, load_identity, peer_id_of, public_der
+    from locomm.peer.transport.records import is_peer_id, load_identity, peer_id_of, public_der
 
     modes = sum(x for x in (new_founder is not None, founder_key is not None, show_id))
     if modes != 1:
@@ -70,7 +70,7 @@ def admit(
         else:
             if not peer or out is None:
                 fail("--founder-key needs --peer ID (the member's, from admit --show-id) and --out FILE")
-            if not _PEER_ID_RE.match(peer):
+            if not is_peer_id(peer):
                 fail(f"--peer {peer[:60]!r} is not a peer id (Qm... or 12D3KooW...)")
             key = load_founder(founder_key)
             cert = Certificate.issue(key, peer, time.time() + days * 86400)

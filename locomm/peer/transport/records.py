@@ -66,6 +66,7 @@ __all__ = [
     "SwarmKey",
     "SwarmValidator",
     "heartbeat_ttl",
+    "is_peer_id",
     "load_identity",
     "peer_id_of",
     "public_der",
@@ -229,6 +230,14 @@ class SwarmKey:
             )
 
 
+def is_peer_id(text: str) -> bool:
+    """Whether ``text`` is a libp2p peer id as base58 writes it (``Qm...`` or ``12D3KooW...``, round-tripping)."""
+    try:
+        return bool(_PEER_ID_RE.match(text)) and PeerID.from_base58(text).to_base58() == text
+    except Exception:  # noqa: BLE001 - not base58
+        return False
+
+
 def _peer_id_list(data: bytes, name: str = "swarm key") -> list[str] | None:
     """The peer ids of a text list (one a line, ``#`` comments), or None when ``data`` is not meant as one
     (a list with a line that is not a peer id is an error, not a secret)."""
@@ -242,11 +251,7 @@ def _peer_id_list(data: bytes, name: str = "swarm key") -> list[str] | None:
         return None
     out = []
     for i in lines:
-        try:
-            ok = bool(_PEER_ID_RE.match(i)) and PeerID.from_base58(i).to_base58() == i
-        except Exception:  # noqa: BLE001 - not base58
-            ok = False
-        if not ok:
+        if not is_peer_id(i):
             raise ConfigError(f"--swarm-key {name}: {i[:60]!r} is not a peer id (a list names one per line)")
         out.append(i)
     return out

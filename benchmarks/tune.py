@@ -1,19 +1,23 @@
 """Tune every outer algorithm with the same budget, then compare the best of each on other seeds.
 
-Budget, the same for every algorithm: 12 points over its outer hyperparameters, each point one
+Budget, the same for every algorithm of a family: 12 points over its outer hyperparameters (15 for
+DiLoCo and NoLoCo, each schedule), each point one
 simulated run of 8 workers on the nano model, batch 8 x 128 bytes, H = 20, 15 rounds (307k tokens
 per worker, the budget of benchmarks/algorithms.py) or 45 rounds (the cosine schedule over the whole
 longer run), on the tuning seed (data and init seed 1, grouping seed outer.seed 0), scored on the
 final validation loss (mean over workers, 8 batches). The daemon's schedule: overlap on, each
 exchange applied one round late. Grids:
 
-    DiLoCo      lr {0.3, 0.5, 0.7, 1.0} x momentum {0, 0.5, 0.9}
-    NoLoCo      alpha {0.3, 0.5, 0.7, 1.0} x beta {0, 0.5, 0.9}        (gamma = alpha)
+    DiLoCo      lr {0.5, 0.7, 1.0, 1.3, 1.6} x momentum {0, 0.5, 0.9}      (15 points: both winners of the
+    NoLoCo      alpha {0.5, 0.7, 1.0, 1.3, 1.6} x beta {0, 0.5, 0.9}        first 12-point grids, lr 0.3-1.0,
+                                                                          sat on lr = 1.0; gamma = alpha)
     GASLoC      eta {0.5, 0.7, 1.0} x gamma {0, 0.3, 0.6, 0.9}         (a = 0.5, matching)
     SparseLoCo  lr {1, 3, 9} x density {0.02, 0.03} x EF decay {0.9, 0.95}   (paper's aggregation)
 
 Variants, each tuned on its base algorithm's grid with the same budget:
 
+    diloco_blocking     DiLoCo as its paper runs it: each round's average applied before the next round starts
+    noloco_blocking     NoLoCo blocking the same way (NoLoCo's paper overlaps, as the daemon does)
     gasloc_y            GASLoC with its momentum on the unmixed y (the published formula)
     sparseloco_senders  SparseLoCo with the public code's rule: per-index mean over the senders, each
                         sender's update clipped to the median norm of the round's senders
@@ -66,24 +70,29 @@ NETWORKS = {
     "10gbit": dict(link_bps=10e9, latency_s=0.001, heterogeneity=0.0),
 }
 TFLOPS = 10.0
-VARIANTS = {  # name -> (outer algorithm, fixed changes); tuned on the algorithm's grid
-    "gasloc_y": ("gasloc", {"gasloc_momentum_on": "unmixed"}),
-    "sparseloco_senders": ("sparseloco", {"sparseloco_aggregation": "senders", "sparseloco_clip": "median"}),
+VARIANTS = {  # name -> (outer algorithm, fixed changes, overlap); tuned on the algorithm's grid
+    "gasloc_y": ("gasloc", {"gasloc_momentum_on": "unmixed"}, True),
+    "sparseloco_senders": ("sparseloco", {"sparseloco_aggregation": "senders", "sparseloco_clip": "median"}, True),
+    "diloco_blocking": ("diloco", {}, False),
+    "noloco_blocking": ("noloco", {}, False),
 }
 
 
+LRS = (0.5, 0.7, 1.0, 1.3, 1.6)
+
+
 def grid(algo: str) -> list[dict[str, float]]:
-    """The algorithm's 12 points, its documented default first, the rest in a fixed shuffled order."""
+    """The algorithm's points, its documented default first, the rest in a fixed shuffled order."""
     if algo in VARIANTS:
         return grid(VARIANTS[algo][0])
     if algo == "diloco":
         pts, default = (
-            [dict(lr=a, momentum=m) for a, m in itertools.product((0.3, 0.5, 0.7, 1.0), (0.0, 0.5, 0.9))],
+            [dict(lr=a, momentum=m) for a, m in itertools.product(LRS, (0.0, 0.5, 0.9))],
             dict(lr=0.7, momentum=0.9),
         )
     elif algo == "noloco":
         pts, default = (
-            [dict(lr=a, noloco_beta=b) for a, b in itertools.product((0.3, 0.5, 0.7, 1.0), (0.0, 0.5, 0.9))],
+            [dict(lr=a, noloco_beta=b) for a, b in itertools.product(LRS, (0.0, 0.5, 0.9))],
             dict(lr=0.7, noloco_beta=0.5),
         )
     elif algo == "gasloc":
@@ -99,7 +108,7 @@ def grid(algo: str) -> list[dict[str, float]]:
         default = dict(sparse_lr=1.0, sparse_density=0.02, sparse_ef_beta=0.95)
     else:
         raise ValueError(algo)
-    assert len(pts) == 12 and default in pts
+    assert default in pts
     rest = [p for p in pts if p != default]
     random.Random(f"tune-{algo}").shuffle(rest)
     return [default, *rest]
@@ -142,7 +151,8 @@ def run_point(
     from locomm.sim import Simulator, network_for
     from locomm.sim.network import flops_step_s
 
-    outer_algo, fixed = VARIANTS.get(algo, (algo, {}))
+    outer_algo, fixed, variant_overlap = VARIANTS.get(algo, (algo, {}, True))
+    overlap = overlap and variant_overlap
     if spec is None:
         spec = base_spec(seed, setup).replace("outer", algo=outer_algo, **fixed, **kw)
     rounds = spec.train.steps // spec.outer.inner_steps
@@ -168,6 +178,7 @@ def run_point(
             "diverged": str(e),
             "final_val_loss": math.inf,
             "bytes_sent_per_worker": math.nan,
+            "bytes_coded_per_worker": math.nan,
             "real_s": time.perf_counter() - t0,
             "timelines": {},
         }
@@ -182,6 +193,7 @@ def run_point(
         "steps": res.steps,
         "val_loss": res.val_loss,
         "bytes_sent_per_worker": sum(res.bytes_sent) / workers,
+        "bytes_coded_per_worker": sum(res.bytes_coded) / workers,
         "max_weight_distance": sim.weight_distance(),
         "real_s": time.perf_counter() - t0,
         "timelines": {},
@@ -226,7 +238,9 @@ def best(algo: str, where: Any = None, setup: str = DEFAULT_SETUP) -> dict[str, 
 
 
 ENTRIES = {  # row of the table -> (algorithm, which of its sweep points may be picked)
+    "DiLoCo, blocking (its paper's schedule)": ("diloco_blocking", None),
     "DiLoCo": ("diloco", None),
+    "NoLoCo, blocking": ("noloco_blocking", None),
     "NoLoCo": ("noloco", None),
     "GASLoC (gamma > 0)": ("gasloc", lambda p: p["gasloc_gamma"] > 0),
     "plain gossip (GASLoC gamma = 0)": ("gasloc", lambda p: p["gasloc_gamma"] == 0),
@@ -255,7 +269,8 @@ def cmd_run(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(a.threads)
     splits = load_corpus(base_spec(TUNE_SEED, a.setup).data)
-    todo = [(algo, kw) for i in range(12) for algo in a.algos for kw in [grid(algo)[i]]]
+    longest = max(len(grid(algo)) for algo in a.algos)
+    todo = [(algo, grid(algo)[i]) for i in range(longest) for algo in a.algos if i < len(grid(algo))]
     for algo, kw in todo:
         _run(
             sweep_path(algo, kw, a.setup),
@@ -266,13 +281,13 @@ def cmd_run(a: argparse.Namespace) -> None:
         return
     for entry, (algo, where) in ENTRIES.items():
         b = best(algo, where, a.setup)
-        if algo not in a.algos or b is None or len(sweep_results(algo, a.setup)) < 12:
+        if algo not in a.algos or b is None or len(sweep_results(algo, a.setup)) < len(grid(algo)):
             continue
         for seed in CONFIRM_SEEDS:
             _run(
                 confirm_path(algo, b["params"], seed, a.setup),
                 lambda algo=algo, b=b, seed=seed: run_point(
-                    algo, b["params"], seed, splits, setup=a.setup, eval_every=5
+                    algo, b["params"], seed, splits, setup=a.setup, eval_every=1
                 ),
                 f"{a.setup} seed {seed} {entry:34s} {point_name(b['params'])}",
             )
@@ -375,7 +390,7 @@ def cmd_aggregation(a: argparse.Namespace) -> None:
     for workers in a.workers:
         for algo in AGGREGATION:
             b = best(algo, setup=a.setup)
-            if b is None or len(sweep_results(algo, a.setup)) < 12:
+            if b is None or len(sweep_results(algo, a.setup)) < len(grid(algo)):
                 print(f"{algo}: sweep of {a.setup} incomplete, skipped")
                 continue
             vals, mb = [], math.nan

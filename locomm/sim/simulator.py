@@ -63,6 +63,9 @@ class SimResult:
     records: list[RoundRecord] = field(default_factory=list)
     bytes_sent: list[int] = field(default_factory=list)
     bytes_received: list[int] = field(default_factory=list)
+    bytes_coded: list[float] = field(default_factory=list)
+    """Bytes each worker sent, counted with every payload through the spec's codec: the same count for every
+    method (DiLoCo's butterfly moves raw fp32, as hivemind's averager does, so ``bytes_sent`` is larger)."""
     train_loss: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     overlap: bool = True
@@ -209,17 +212,19 @@ class Simulator:
         butterfly = self.spec.outer.algo == "diloco"
         wire: list[Payload] = []
         sizes: dict[int, float] = {}
+        coded: dict[int, float] = {}
         for w, plan in enumerate(plans):
             if butterfly:  # hivemind's averager moves raw fp32, no codec
                 wire.append(plan.payload)
                 sizes[w] = float(sum(v.numel() * v.element_size() for v in plan.payload.values()))
+                coded[w] = float(self.coder.transmit(plan.payload)[1])
             else:
                 try:
                     received, nbytes = self.coder.transmit(plan.payload)
                 except PayloadError:  # the daemon's receivers answer NOT_FINITE (a fault): nobody takes it
                     received, nbytes = None, float(self.coder.raw_bytes())
                 wire.append(received)
-                sizes[w] = nbytes
+                sizes[w] = coded[w] = nbytes
         raw = float(max(1, self.coder.raw_bytes())) if not butterfly else None
         peers = {
             w: ([m for m in self.members if m != w] if plan.collective else list(plan.peers))
@@ -251,8 +256,10 @@ class Simulator:
                 g = len(answered[w]) + 1
                 res.bytes_sent[w] += 2 * (g - 1) / g * sizes[w]
                 res.bytes_received[w] += 2 * (g - 1) / g * sizes[w]
+                res.bytes_coded[w] += 2 * (g - 1) / g * coded[w]
             else:  # pushes go to every partner; what arrived in time is used
                 res.bytes_sent[w] += sizes[w] * len(peers[w])
+                res.bytes_coded[w] += coded[w] * len(peers[w])
                 res.bytes_received[w] += sum(sizes[j] for j in answered[w])
             self.rounds[w].arrived(got)
             if not self.overlap:
@@ -289,6 +296,7 @@ class Simulator:
             for w in self.members:
                 res.bytes_sent[w] += 2 * (n - 1) / n * nbytes
                 res.bytes_received[w] += 2 * (n - 1) / n * nbytes
+                res.bytes_coded[w] += 2 * (n - 1) / n * nbytes
             rec = RoundRecord(
                 steps=1, bytes_sent={w: nbytes for w in self.members}, kind="allreduce", peers={}, members=self.members
             )
@@ -313,6 +321,7 @@ class Simulator:
             inner_steps=H,
             bytes_sent=[0] * self.workers,
             bytes_received=[0] * self.workers,
+            bytes_coded=[0.0] * self.workers,
             overlap=self.overlap,
             apply_delay_steps=self.spec.outer.apply_delay_steps,
             deadlines=self.deadlines,

@@ -65,25 +65,7 @@ def run_one(spec: RunSpec, algo: str, workers: int, rounds: int, splits, overlap
     scale = SCALED_PARAMS / params
     for name, net in NETWORKS.items():
         for label, k in (("nano", 1.0), ("125M", scale)):
-            # Scaling bytes by k is dividing link speed by k; the deadlines' rates scale with it, so the same
-            # deadlines fire as they would for a k-times larger model on the real links.
-            dl = res.deadlines
-            dl = type(dl)(
-                stall_timeout_s=dl.stall_timeout_s,
-                min_rate_Bps=dl.min_rate_Bps / k,
-                rate_window_s=dl.rate_window_s,
-                max_wait_s=dl.max_wait_s,
-                request_timeout_s=dl.request_timeout_s,
-            )
-            run = network_for(
-                res,
-                link_bps=net["link_bps"] / k,
-                latency_s=net["latency_s"],
-                heterogeneity=net["heterogeneity"],
-                step_s=step_s * k,
-                seed=0,
-                deadlines=dl,
-            )
+            run = network_for(res, **net, step_s=step_s, seed=0, scale=k)
             out["timelines"][f"{name}/{label}"] = {
                 "wall_s": run.wall_s,
                 "compute_utilisation_mean": run.utilisation_mean,

@@ -198,9 +198,9 @@ def run_point(
         "real_s": time.perf_counter() - t0,
         "timelines": {},
     }
-    for name, net in NETWORKS.items():
-        run = network_for(res, step_s=step_s, seed=0, **net)
-        out["timelines"][f"{name}/nano"] = {
+    for (name, net), (label, k) in itertools.product(NETWORKS.items(), (("nano", 1.0), ("125M", 125e6 / params))):
+        run = network_for(res, step_s=step_s, seed=0, scale=k, **net)
+        out["timelines"][f"{name}/{label}"] = {
             "wall_s": run.wall_s,
             "round_done": run.round_done,
             "compute_utilisation_mean": run.utilisation_mean,
@@ -293,13 +293,37 @@ def cmd_run(a: argparse.Namespace) -> None:
             )
 
 
+NATURAL_BOUNDS = {"momentum": 0.0, "noloco_beta": 0.0, "gasloc_gamma": 0.0}
+"""A winner at these values sits on a bound of the method (no negative momentum), not on a grid's edge."""
+
+
+def edges(algo: str, params: dict[str, Any]) -> list[str]:
+    """The winner's settings that sit on an edge of the grid (the optimum may lie past them)."""
+    out = []
+    for k, v in params.items():
+        values = sorted({p[k] for p in grid(algo)})
+        if len(values) > 1 and v in (values[0], values[-1]) and NATURAL_BOUNDS.get(k) != v:
+            out.append(f"{k}={v:g}")
+    return out
+
+
+def time_to_target(run: dict[str, Any], target: float, network: str = "80mbit_het/125M") -> float | None:
+    """Modelled seconds until the mean validation loss first reached ``target`` (at an evaluation), or None."""
+    done = run["timelines"][network]["round_done"]
+    for step, val in zip(run["steps"], run["val_loss"]):
+        r = step // run["inner_steps"]
+        if val <= target and 1 <= r <= len(done):
+            return done[r - 1]
+    return None
+
+
 def table_rows(setup: str = DEFAULT_SETUP) -> list[dict[str, Any]]:
     rows = []
     for entry, (algo, where) in ENTRIES.items():
         swept = sweep_results(algo, setup)
         b = best(algo, where, setup)
         if b is None:
-            rows.append({"entry": entry, "algo": algo, "points_run": len(swept)})
+            rows.append({"entry": entry, "algo": algo, "points_run": len(swept), "points": len(grid(algo))})
             continue
         seeds = [load(confirm_path(algo, b["params"], s, setup)) for s in CONFIRM_SEEDS]
         seeds = [s for s in seeds if s is not None]
@@ -308,15 +332,20 @@ def table_rows(setup: str = DEFAULT_SETUP) -> list[dict[str, Any]]:
             {
                 "entry": entry,
                 "algo": algo,
+                "overlap": VARIANTS.get(algo, (algo, {}, True))[2],
                 "points_run": len(swept),
+                "points": len(grid(algo)),
                 "best": b["params"],
+                "best_on_edge": edges(algo, b["params"]),
                 "tune_val_loss": b["final_val_loss"],
                 "confirm_seeds": [s["seed"] for s in seeds],
                 "confirm_val_loss": others,
                 "confirm_mean": statistics.fmean(others) if others else None,
                 "confirm_std": statistics.stdev(others) if len(others) > 1 else None,
                 "confirm_spread": (max(others) - min(others)) if len(others) > 1 else None,
+                "confirm_runs": seeds,
                 "bytes_sent_per_worker": b["bytes_sent_per_worker"],
+                "bytes_coded_per_worker": b.get("bytes_coded_per_worker"),
                 "util_80mbit_het": b["timelines"]["80mbit_het/nano"]["compute_utilisation_mean"],
                 "default_val_loss": next((r["final_val_loss"] for r in swept if r["params"] == grid(algo)[0]), None),
             }
@@ -328,18 +357,27 @@ def _pct(x: float, ref: float) -> str:
     return f"{100 * (x / ref - 1):+.1f}%"
 
 
+REFERENCE = "DiLoCo, blocking (its paper's schedule)"
+
+
 def cmd_table(a: argparse.Namespace) -> None:
     rows = table_rows(a.setup)
-    ref = next((r for r in rows if r["entry"] == "DiLoCo" and "best" in r), None)
+    ref = next((r for r in rows if r["entry"] == REFERENCE and "best" in r), None)
+    done = [r for r in rows if r.get("confirm_mean") is not None and len(r["confirm_val_loss"]) == len(CONFIRM_SEEDS)]
+    # The target: the highest final loss of any seed of the DiLoCo and NoLoCo rows, so that every one reaches it.
+    family = [v for r in done if r["algo"].split("_")[0] in ("diloco", "noloco") for v in r["confirm_val_loss"]]
+    target = max(family) if family else None
     print(f"setup {a.setup}: sharding {SETUPS[a.setup][0]}, {SETUPS[a.setup][1]} rounds of H = {H}, {WORKERS} workers")
     print(
-        "| algorithm | points run | best setting (seed 1) | val, seed 1 | val, seeds 2-4: mean ± std [min, max] | "
-        "vs DiLoCo: means [per-seed range] | at the default | MB sent/worker | compute util. 80M het |"
+        "| algorithm | schedule | points run | best setting (seed 1) | on the grid's edge | val, seed 1 | "
+        "val, seeds 2-4: mean ± std [min, max] | vs blocking DiLoCo: means [per-seed range] | "
+        "time to target, 80 Mbit/s het., as 125M (modelled s, seeds 2-4) | at the default | MB sent/worker | "
+        "MB/worker, every payload through the codec | compute util. 80M het |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "best" not in r:
-            print(f"| {r['entry']} | {r['points_run']}/12 | - | - | - | - | - | - | - |")
+            print(f"| {r['entry']} | - | {r['points_run']}/{r['points']} | - | - | - | - | - | - | - | - | - | - |")
             continue
         v = r["confirm_val_loss"]
         if len(v) > 1:
@@ -359,18 +397,41 @@ def cmd_table(a: argparse.Namespace) -> None:
                 rel += f" [{min(paired):+.1f}%, {max(paired):+.1f}%]"
         elif ref is not None:
             rel = f"{_pct(r['tune_val_loss'], ref['tune_val_loss'])} (seed 1)"
+        ttt = "-"
+        if (
+            target is not None
+            and r["confirm_runs"]
+            and all("80mbit_het/125M" in c["timelines"] for c in r["confirm_runs"])
+        ):
+            times = [time_to_target(run, target) for run in r["confirm_runs"]]
+            reached = [t for t in times if t is not None]
+            r["time_to_target_s"] = times
+            ttt = f"{statistics.fmean(reached):.0f}" if reached else "never"
+            if len(reached) < len(times):
+                ttt += f" ({len(reached)} of {len(times)} seeds reached it)"
+            elif len(reached) > 1:
+                ttt += f" [{min(reached):.0f}, {max(reached):.0f}]"
         setting = ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in r["best"].items())
         dflt = f"{r['default_val_loss']:.4f}" if r["default_val_loss"] is not None else "-"
+        coded = r["bytes_coded_per_worker"]
+        if coded is None and r["algo"].split("_")[0] != "diloco":  # every other method sends coded payloads
+            coded = r["bytes_sent_per_worker"]
         print(
-            f"| {r['entry']} | {r['points_run']}/12 | {setting} | {r['tune_val_loss']:.4f} | {conf} | {rel} | "
-            f"{dflt} | {r['bytes_sent_per_worker'] / 1e6:.2f} | {100 * r['util_80mbit_het']:.0f}% |"
+            f"| {r['entry']} | {'overlap' if r['overlap'] else 'blocking'} | {r['points_run']}/{r['points']} | "
+            f"{setting} | {', '.join(r['best_on_edge']) or 'inside'} | {r['tune_val_loss']:.4f} | {conf} | {rel} | "
+            f"{ttt} | {dflt} | {r['bytes_sent_per_worker'] / 1e6:.2f} | "
+            f"{'-' if coded is None else f'{coded / 1e6:.2f}'} | {100 * r['util_80mbit_het']:.0f}% |"
         )
+    if target is not None:
+        print(f"target: {target:.4f}, the highest final loss of any seed (2-4) of the DiLoCo and NoLoCo rows")
     if a.points:  # every sweep point, best first
         for algo in ALL:
             pts = sorted(sweep_results(algo, a.setup), key=lambda r: r["final_val_loss"])
             if pts:
                 print(f"- {algo}: " + ", ".join(f"{point_name(r['params'])} {r['final_val_loss']:.4f}" for r in pts))
     if a.json:
+        for r in rows:
+            r.pop("confirm_runs", None)
         _harness.write_json(ROOT / a.setup / "table.json", rows)
 
 

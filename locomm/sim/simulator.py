@@ -32,7 +32,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -401,12 +401,27 @@ def network_for(
     step_s: float,
     seed: int = 0,
     deadlines: Limits | None = None,
+    scale: float = 1.0,
 ) -> NetworkRun:
-    """Replay a run's recorded traffic on a network, with the run's schedule and (default) its deadlines."""
+    """Replay a run's recorded traffic on a network, with the run's schedule and (default) its deadlines.
+
+    ``scale`` k > 1 replays the run as if the model were k times larger: bytes and FLOPs both x k, which is
+    link and compute speed / k (latency unchanged); the deadlines' rate floor / k too, so the same deadlines
+    fire as would for the larger model on the real links."""
+    if scale <= 0:
+        raise ValueError(f"scale: must be > 0, got {scale}")
+    dl = deadlines if deadlines is not None else res.deadlines
+    if scale != 1.0:
+        dl = replace(dl, min_rate_Bps=dl.min_rate_Bps / scale)
     net = NetworkModel.build(
-        res.workers, link_bps=link_bps, latency_s=latency_s, heterogeneity=heterogeneity, step_s=step_s, seed=seed
+        res.workers,
+        link_bps=link_bps / scale,
+        latency_s=latency_s,
+        heterogeneity=heterogeneity,
+        step_s=step_s * scale,
+        seed=seed,
     )
-    return replay_on(res, net, deadlines=deadlines)
+    return replay_on(res, net, deadlines=dl)
 
 
 def replay_on(res: SimResult, net: NetworkModel, *, deadlines: Limits | None = None) -> NetworkRun:

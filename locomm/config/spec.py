@@ -2,19 +2,28 @@
 
 ``RunSpec.hash()`` is a sha256 over a canonical JSON form of the shared spec, so peers can refuse to
 join a swarm whose spec differs from theirs.
+
+Each section is a frozen dataclass whose ``__post_init__`` checks ranges and relations. A value read from
+TOML is first type-checked by pydantic against the field's annotation, strictly (TOML's types are exact:
+no ``"3"`` for 3, no ``true`` for 1, no ``inf``), list items included; the error names the field and, for a
+file, its line. TOML is written by tomli-w.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
-import math
+import re
 import tomllib
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Union, get_args, get_origin, get_type_hints
+
+import tomli_w
 
 from locomm import PROTOCOL_VERSION
 from locomm.atomic import atomic_write_text
@@ -151,32 +160,35 @@ class RunSpec:
     # -- TOML ---------------------------------------------------------------------
 
     @classmethod
-    def from_toml(cls, text: str) -> RunSpec:
+    def from_toml(cls, text: str, *, source: str | None = None) -> RunSpec:
+        """Parse TOML text; ``source`` (a file name) goes into error messages with the field's line."""
+        where = source or "TOML"
         try:
             parsed = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"invalid TOML: {e}") from None
-        return cls.from_dict(parsed)
+            raise ConfigError(f"invalid TOML in {where}: {e}") from None
+        try:
+            return cls.from_dict(parsed)
+        except ConfigError as e:
+            line = _line_of(text, str(e).split(":", 1)[0])
+            if line is None:
+                raise
+            raise ConfigError(f"{e} ({where}, line {line})") from None
 
     @classmethod
     def load(cls, path: str | Path) -> RunSpec:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        return cls.from_toml(p.read_text(encoding="utf-8"))
+        return cls.from_toml(p.read_text(encoding="utf-8"), source=str(p))
 
     def to_toml(self) -> str:
-        lines = [f"protocol_version = {self.protocol_version}", ""]
+        # TOML has no null: a None field is left out, and absent means the default.
+        doc: dict[str, Any] = {"protocol_version": self.protocol_version}
         for name in _SECTIONS:
-            lines.append(f"[{name}]")
             section = getattr(self, name)
-            for f in fields(section):
-                v = getattr(section, f.name)
-                if v is None:
-                    continue  # TOML has no null; absent means default
-                lines.append(f"{f.name} = {_toml_value(v)}")
-            lines.append("")
-        return "\n".join(lines)
+            doc[name] = {f.name: v for f in fields(section) if (v := getattr(section, f.name)) is not None}
+        return tomli_w.dumps(doc)
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(Path(path), self.to_toml())
@@ -190,52 +202,67 @@ class RunSpec:
 
 
 def _build_section(name: str, cls: type, base: Any, values: Mapping[str, Any]) -> Any:
-    known = {f.name: f for f in fields(cls)}
+    adapters = _field_types(cls)
     for k in values:
-        if k not in known:
-            raise ConfigError(f"{name}.{k}: unknown field; expected one of {', '.join(known)}")
+        if k not in adapters:
+            raise ConfigError(f"{name}.{k}: unknown field; expected one of {', '.join(adapters)}")
     if cls is ModelConfig and "preset" in values and values["preset"] != base.preset:
         base = ModelConfig.from_preset(values["preset"])
-    checked: dict[str, Any] = {}
-    for k, v in values.items():
-        checked[k] = _coerce(f"{name}.{k}", known[k].type, v)
+    checked = {k: _validate(f"{name}.{k}", adapters[k], v) for k, v in values.items()}
     try:
         return dataclasses.replace(base, **checked)
     except ConfigError as e:
         raise ConfigError(f"{name}.{e}") from None
 
 
-def _coerce(name: str, annotation: Any, v: Any) -> Any:
-    """Type-check one TOML value against its field annotation (given as a string)."""
-    ann = str(annotation)
-    if v is None and "None" in ann:
-        return None
-    if ann.startswith("bool"):
-        if not isinstance(v, bool):
-            raise ConfigError(f"{name}: expected true/false, got {v!r}")
-        return v
-    if ann.startswith("int"):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{name}: expected an integer, got {v!r}")
-        return v
-    if ann.startswith("float"):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ConfigError(f"{name}: expected a finite number, got {v!r}")
-        return float(v)
-    if ann.startswith("str"):
-        if not isinstance(v, str):
-            raise ConfigError(f"{name}: expected a string, got {v!r}")
-        return v
-    return v
+def _validate(name: str, adapter: Any, v: Any) -> Any:
+    from pydantic import ValidationError
+
+    try:
+        return adapter.validate_python(v)
+    except ValidationError as e:
+        err = e.errors()[0]
+        at = "".join(f"[{i}]" for i in err["loc"] if isinstance(i, int))  # the item of a list
+        raise ConfigError(f"{name}{at}: {err['msg'][0].lower()}{err['msg'][1:]}, got {err['input']!r}") from None
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # JSON string escapes are valid TOML basic strings
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+def _strict(tp: Any) -> Any:
+    """The annotation with every scalar strict (TOML values are typed), tuples read from TOML lists."""
+    from pydantic import Strict
+
+    if tp in (int, float, bool, str):
+        return Annotated[tp, Strict()]
+    args = get_args(tp)
+    if get_origin(tp) is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple[_strict(args[0]), ...]  # type: ignore[misc]
+        return tuple[tuple(_strict(a) for a in args)]  # type: ignore[misc]
+    if get_origin(tp) in (Union, types.UnionType):
+        return Union[tuple(_strict(a) for a in args)]  # noqa: UP007 - built from a runtime tuple
+    return tp
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """One pydantic validator per field of a section, built on first use (pydantic loads lazily: `--help`
+    and the config's import stay fast)."""
+    from pydantic import ConfigDict, TypeAdapter
+
+    hints = get_type_hints(cls)
+    finite = ConfigDict(allow_inf_nan=False)
+    return {f.name: TypeAdapter(_strict(hints[f.name]), config=finite) for f in fields(cls)}
+
+
+def _line_of(text: str, name: str) -> int | None:
+    """The 1-based line of ``section.key`` (or of ``[section]``) in TOML text, when it is written plainly."""
+    section, _, key = name.partition(".")
+    key = key.split("[", 1)[0]
+    in_section, header = False, None
+    for i, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("["):
+            in_section = stripped.strip("[] \t") == section
+            header = i if in_section and header is None else header
+        elif in_section and key and re.match(rf"{re.escape(key)}\s*=", stripped):
+            return i
+    return None if key else header

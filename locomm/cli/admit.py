@@ -1,9 +1,10 @@
 """``locomm-peer admit``: a founder admits members to a swarm (admission certificates; docs/security.md).
 
-locomm-peer admit --new-founder founder.key                      # once: the founder's key (0600)
+locomm-peer admit --new-founder founder.key                      # once: the founder's key (0600), the swarm id
 locomm-peer admit --show-id --identity member.key                # a member: its peer id (key made if missing)
 locomm-peer admit --founder-key founder.key --peer QmID --days 30 --out member.cert
 locomm-peer join --identity member.key --swarm-key member.cert ...
+locomm-peer join --identity member.key --swarm-key member.cert --swarm ID --initial-peers ANY_DHT_NODE
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def admit(
     try:
         if new_founder is not None:
             pub = make(new_founder)
-            result = {"founder_key": str(new_founder), "founder_id": founder_id(pub), "public_key": pub.hex()}
+            result = {"founder_key": str(new_founder), "swarm_id": founder_id(pub), "public_key": pub.hex()}
         elif show_id:
             if identity is None:
                 fail("--show-id needs --identity FILE (the key the member joins with; made here if missing)")
@@ -80,7 +81,7 @@ def admit(
             result = {
                 "certificate": str(out),
                 "peer_id": peer,
-                "founder_id": founder_id(cert.founder),
+                "swarm_id": founder_id(cert.founder),
                 "expires": cert.expires,
             }
     except ConfigError as e:

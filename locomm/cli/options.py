@@ -32,6 +32,21 @@ def swarm_key_option(f: F) -> F:
     )(f)
 
 
+def check_swarm_id(swarm_id: str, swarm_key: Path | None) -> None:
+    """``join --swarm ID``: the --swarm-key must be an admission certificate of that founder (ConfigError with
+    the fix otherwise)."""
+    from locomm.peer.transport.admission import CERT_MAGIC, Certificate, founder_id  # noqa: PLC0415
+
+    if swarm_key is None or swarm_key.read_bytes()[:4] != CERT_MAGIC:
+        raise ConfigError(
+            f"--swarm {swarm_id} needs your admission certificate of that swarm as --swarm-key (the founder makes "
+            "it: locomm-peer admit --founder-key FOUNDER.key --peer YOUR_PEER_ID --out member.cert)"
+        )
+    own = founder_id(Certificate.load(swarm_key).founder)
+    if own != swarm_id:
+        raise ConfigError(f"--swarm {swarm_id}: the certificate {swarm_key} is of swarm {own}, not this one")
+
+
 def check_swarm_key(path: Path | None) -> Path | None:
     """The absolute path of a usable --swarm-key file (ConfigError when it is not one), or None."""
     if path is None:

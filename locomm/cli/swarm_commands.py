@@ -16,6 +16,7 @@ import click
 from locomm.cli.options import (
     PRESETS,
     MemorySize,
+    check_swarm_id,
     check_swarm_key,
     emit_json,
     fail,
@@ -73,6 +74,12 @@ from locomm.config import ConfigError
     help="Private key file (RSA, created when missing): a stable peer id; it signs this peer's DHT records.",
 )
 @swarm_key_option
+@click.option(
+    "--swarm",
+    "swarm_id",
+    help="The founder's swarm id (admit --new-founder prints it): take the spec its members store, through any "
+    "--initial-peers DHT node; needs your certificate of that swarm as --swarm-key.",
+)
 @click.option("--device", default=lambda: os.environ.get("LOCOMM_DEVICE", "auto"), show_default="auto")
 @click.option(
     "--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), help="Checkpoint here and resume from it."
@@ -169,6 +176,7 @@ def join(
     averager_port: int,
     identity: Path | None,
     swarm_key: Path | None,
+    swarm_id: str | None,
     device: str,
     checkpoint_dir: Path | None,
     checkpoint_every: int,
@@ -230,6 +238,8 @@ def join(
         if checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every: must be >= 1, got {checkpoint_every}")
         swarm_key = check_swarm_key(swarm_key)
+        if swarm_id is not None:
+            check_swarm_id(swarm_id, swarm_key)
         for name, v in (("memory", max_memory), ("upload-mbit", max_upload_mbit), ("download-mbit", max_download_mbit)):
             if v is not None and not v > 0:
                 raise ConfigError(f"--max-{name}: must be > 0, got {v}")
@@ -309,6 +319,7 @@ def join(
         averager_port=averager_port,
         identity=identity,
         swarm_key=swarm_key,
+        swarm_id=swarm_id,
         device=device,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,

@@ -136,7 +136,7 @@ class Host:
             await self._connect(initial, known)
             if self._id_dir is not None:  # a throwaway key, now in p2pd and the validator: no file outlives a kill
                 shutil.rmtree(self._id_dir, ignore_errors=True)
-            self.spec = await settle_spec(self.dht, self.opts, self.spec, self.swarm_key is not None, self.events.write)
+            self.spec = await settle_spec(self.dht, self.opts, self.spec, self.swarm_key, self.events.write)
             await self.publish_spec()
             net = self.spec.network
             self.run_id = self.spec.hash()[:16]
@@ -298,7 +298,14 @@ class Host:
         """Store (again) the spec this peer runs under its own key, signed; every peer does, every
         SPEC_TTL_S / 3, so the spec lives as long as any peer does."""
         self._spec_stored = time.monotonic()
-        await publish_spec(self.dht, self.me, self.spec.hash(), self.spec.to_toml(), closed=self.swarm_key is not None)
+        await publish_spec(
+            self.dht,
+            self.me,
+            self.spec.hash(),
+            self.spec.to_toml(),
+            closed=self.swarm_key is not None,
+            swarm_id=self.swarm_key.swarm_id if self.swarm_key is not None else None,
+        )
 
     # -- services and compute ----------------------------------------------------------
 

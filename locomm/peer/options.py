@@ -27,7 +27,11 @@ class NodeOptions:
     identity: Path | None = None
     """The libp2p identity file (RSA; created when missing); None: a fresh one in a private temp folder."""
     swarm_key: Path | None = None
-    """A closed swarm's key file (>= 32 random bytes, or a list of allowed peer ids); None: an open swarm."""
+    """A closed swarm's key file (>= 32 random bytes, a list of allowed peer ids, or a founder's admission
+    certificate); None: an open swarm."""
+    swarm_id: str | None = None
+    """``join --swarm ID``: the founder's swarm id the certificate in ``swarm_key`` must be of; the spec is then
+    read from the members' copies under the swarm's key, through any DHT node."""
     device: str = "auto"
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 5

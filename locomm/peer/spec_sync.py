@@ -7,6 +7,10 @@
 - ``--initial-peers`` with ``--config``: the swarm's spec must be this one. When the named peers publish
   none (a dedicated bootstrap node, ``locomm-peer bootstrap``, that trains nothing), this peer's own spec
   starts the swarm: it publishes it, and every later peer, with or without --config, finds it.
+- Certificate mode (``--swarm-key member.cert``, optionally ``--swarm ID`` to check the founder): first the
+  copies members store under the swarm's key, read through any DHT node (a bare ``hivemind-dht`` included);
+  every copy carries a certificate of this peer's founder, and the spec most members store is the swarm's.
+  None there: the initial peers' records, as above.
 
 Whatever spec a peer runs, the host stores it again under the peer's own key every SPEC_TTL_S / 3
 (``Host.publish_spec``), so the spec lives as long as any peer of the swarm does.
@@ -16,13 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from locomm import PROTOCOL_VERSION
 from locomm.config import RunSpec
 from locomm.peer.options import NodeOptions, SpecMismatch
-from locomm.peer.transport.swarm import fetch_spec, peer_ids_of
+from locomm.peer.transport.records import SwarmKey
+from locomm.peer.transport.swarm import fetch_spec, fetch_swarm_specs, peer_ids_of
 
 __all__ = ["settle_spec"]
 
@@ -31,18 +37,52 @@ FETCH_ATTEMPTS = 20
 """Reads of the initial peers' spec records, 0.5 s apart, before a peer decides the swarm has none."""
 
 
-async def settle_spec(dht: Any, opts: NodeOptions, own: RunSpec, closed: bool, event: Callable[..., Any]) -> RunSpec:
+async def settle_spec(
+    dht: Any, opts: NodeOptions, own: RunSpec, key: SwarmKey | None, event: Callable[..., Any]
+) -> RunSpec:
     """The spec a starting peer runs (see the module docstring): ``own``, the one of ``opts``, or the swarm's read
-    through ``dht``; ``closed``: it holds a swarm key; ``event`` writes to its event log. Raises SpecMismatch for
-    a swarm it cannot join."""
+    through ``dht``; ``key``: this peer's swarm key (None: an open swarm); ``event`` writes to its event log.
+    Raises SpecMismatch for a swarm it cannot join."""
+    closed = key is not None
+    swarm_id = key.swarm_id if key is not None else None
+    if opts.swarm_id is not None and opts.swarm_id != swarm_id:
+        raise SpecMismatch(
+            f"--swarm {opts.swarm_id} is not the swarm of this certificate ({swarm_id}): ask that swarm's founder "
+            "for a certificate (locomm-peer admit)"
+            if swarm_id is not None
+            else f"--swarm {opts.swarm_id} needs your admission certificate of that swarm: --swarm-key member.cert"
+        )
     if not opts.initial_peers:
         return own
+    # With --config, an empty swarm is no error: fewer reads before this peer starts it with its own spec.
+    attempts = 6 if opts.spec_from_user else FETCH_ATTEMPTS
+    if swarm_id is not None:
+        copies: dict[str, dict[str, Any]] = {}
+        for _ in range(attempts if opts.swarm_id is not None else 2):
+            copies = await _swarm_copies(dht, swarm_id)
+            if copies:
+                break
+            await asyncio.sleep(0.5)
+        if copies:
+            votes = Counter((v["hash"], v["closed"], v["version"]) for v in copies.values()).most_common()
+            if len(votes) > 1 and votes[0][1] == votes[1][1]:
+                named = ", ".join(f"{p[-8:]}: {v['hash'][:12]}" for p, v in copies.items())
+                raise SpecMismatch(
+                    f"the members of swarm {swarm_id} store different run specs in equal numbers ({named})"
+                )
+            remote = next(v for v in copies.values() if (v["hash"], v["closed"], v["version"]) == votes[0][0])
+            log.info(
+                "run spec %s of swarm %s, stored by %d of %d member(s)",
+                remote["hash"][:12],
+                swarm_id,
+                votes[0][1],
+                len(copies),
+            )
+            return _adopt(remote, own, opts, closed)
     trusted = peer_ids_of(opts.initial_peers)
     if not trusted:
         raise SpecMismatch("--initial-peers must name the peer: a multiaddr ending in /p2p/<peer id>")
     found: dict[str, dict[str, Any]] = {}
-    # With --config, an empty swarm is no error: fewer reads before this peer starts it with its own spec.
-    attempts = 6 if opts.spec_from_user else FETCH_ATTEMPTS
     for attempt in range(attempts):
         for peer, spec in zip(trusted, await asyncio.gather(*(_fetch(dht, p) for p in trusted))):
             if spec is not None:
@@ -60,6 +100,11 @@ async def settle_spec(dht: Any, opts: NodeOptions, own: RunSpec, closed: bool, e
             )
             event("spec_published", hash=own.hash(), reason="none in the swarm")
             return own
+        if swarm_id is not None:
+            raise SpecMismatch(
+                f"no member of swarm {swarm_id} stores a run spec that this peer can read (is --initial-peers a "
+                "node of that swarm? has a member, with --config, started it?)"
+            )
         if closed:
             raise SpecMismatch("no run spec in the swarm verifies with this --swarm-key (is it the swarm's key?)")
         raise SpecMismatch(
@@ -69,7 +114,11 @@ async def settle_spec(dht: Any, opts: NodeOptions, own: RunSpec, closed: bool, e
     if len({(v["hash"], v["closed"]) for v in found.values()}) > 1:
         named = ", ".join(f"{p[-8:]}: {v['hash'][:12]}" for p, v in found.items())
         raise SpecMismatch(f"the peers in --initial-peers publish different run specs ({named}); join one swarm")
-    remote = next(iter(found.values()))
+    return _adopt(next(iter(found.values())), own, opts, closed)
+
+
+def _adopt(remote: dict[str, Any], own: RunSpec, opts: NodeOptions, closed: bool) -> RunSpec:
+    """The swarm's spec from its record, after the checks every joiner makes."""
     if remote["closed"] and not closed:
         raise SpecMismatch("this swarm is closed: pass --swarm-key")
     if remote["version"] != PROTOCOL_VERSION:
@@ -87,6 +136,16 @@ async def settle_spec(dht: Any, opts: NodeOptions, own: RunSpec, closed: bool, e
     if not opts.spec_from_user:
         spec.data.check_from_swarm()  # the swarm's spec never names a path on this disk
     return spec
+
+
+async def _swarm_copies(dht: Any, swarm_id: str) -> dict[str, dict[str, Any]]:
+    try:
+        return await fetch_swarm_specs(dht, swarm_id)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # no copy readable now: the initial peers' records next
+        log.debug("copies of swarm %s's spec: %s", swarm_id, e)
+        return {}
 
 
 async def _fetch(dht: Any, peer: str) -> dict[str, Any] | None:

@@ -379,3 +379,51 @@ def test_admission_certificates_keep_minted_identities_out(tmp_path: Path, launc
     _wait(lambda: a.round() >= r0 + 3, 90, "three more rounds", (a, b))
     counted = {m for p in (a, b) for e in p.events("round") for m in e["member_ids"]}
     assert counted == {certs["a"], certs["b"]}, counted
+
+
+def test_join_by_swarm_id_through_a_bare_hivemind_dht_node(tmp_path: Path, launcher: Launcher) -> None:
+    """`join --swarm ID`: a member with its certificate and no --config takes the spec the founder's members store,
+    through a plain hivemind DHT node that publishes no spec and checks nothing (before, such a joiner exited 2,
+    "no run spec found"); a wrong id, or an id without a certificate, exits 2 with the fix."""
+    import json
+    import subprocess
+    import sys
+
+    import hivemind
+
+    def admit(*args: str) -> dict:
+        r = subprocess.run(
+            [sys.executable, "-m", "locomm.cli.main", "admit", *args, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    swarm_id = admit("--new-founder", str(tmp_path / "founder.key"))["swarm_id"]
+    for name in ("a", "b"):
+        pid = admit("--show-id", "--identity", str(tmp_path / f"{name}.id"))["peer_id"]
+        admit("--founder-key", str(tmp_path / "founder.key"), "--peer", pid, "--out", str(tmp_path / f"{name}.cert"))
+    bare = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        boot = [str(m) for m in bare.get_visible_maddrs()][0]
+
+        def member(name: str, *args: str, config: Path | None = None, who: str | None = None) -> PeerProcess:
+            who = who or name
+            ident = ("--identity", str(tmp_path / f"{who}.id"), "--swarm-key", str(tmp_path / f"{who}.cert"))
+            return launcher.start(name, *ident, *args, config=config, initial_peers=boot)
+
+        run = ("--until-round", "100000", "--wait-for-peers", "2")
+        a = member("a", *run, "--shard", "0/2", config=_spec(tmp_path))  # the founder's first member: its spec
+        wrong = member("wrong", "--swarm", "0" * 32, who="b")
+        assert wrong.wait(timeout=60) == 2 and "is of swarm" in wrong.tail(), wrong.tail()
+        b = member("b", *run, "--shard", "1/2", "--swarm", swarm_id)  # no --config
+        _wait(lambda: all(len(_members(p)) == 2 for p in (a, b)), 150, "a round of the two members", (a, b))
+        assert b.events("started")[0]["run"] == a.events("started")[0]["run"]
+    finally:
+        bare.shutdown()
+    r = subprocess.run(
+        launcher.command("--initial-peers", boot, "--swarm", swarm_id), capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "needs your admission certificate" in r.stderr, r.stderr[-1000:]

@@ -39,10 +39,11 @@ def _signed_bytes(peer: str, expires: float, founder: bytes) -> bytes:
 
 
 def founder_id(public: bytes) -> str:
-    """A founder's short printable id (the first 16 hex digits of its public key's sha256)."""
+    """A founder's swarm id, to share like a magnet link (``join --swarm ID``): the first 32 hex digits (128
+    bits) of its public key's sha256, so that grinding a second founder key to the same id is out of reach."""
     import hashlib  # noqa: PLC0415
 
-    return hashlib.sha256(public).hexdigest()[:16]
+    return hashlib.sha256(public).hexdigest()[:32]
 
 
 @dataclasses.dataclass(frozen=True)

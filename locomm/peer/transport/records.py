@@ -18,6 +18,10 @@ Notable:
   - ``locomm.spec.<peer id>``: a regular value {hash, toml, version, closed} signed by that peer,
     expiring at most now + 2 x SPEC_TTL_S. A record at the spec key of a peer this node knows (itself,
     its initial peers, any peer whose record verified) signed by anyone else is refused;
+  - ``locomm.swarm.<swarm id>`` (certificate mode, the swarm id of this node's founder): the same spec
+    value, one dictionary subkey per member, the subkey the signer's own peer id; so a joiner that holds a
+    certificate finds the swarm's spec through any DHT node (a bare ``hivemind-dht`` included), signed by
+    members the founder admitted, without naming one;
   - any other key: not ours (True), except in a closed swarm.
 
 - Closed swarms (:class:`SwarmKey`): a secret of >= 32 bytes adds an HMAC-SHA256 tag to the trailer,
@@ -57,7 +61,7 @@ from hivemind.utils import MSGPackSerializer
 
 from locomm.atomic import check_private
 from locomm.config import ConfigError
-from locomm.peer.transport.admission import CERT_MAGIC, Certificate
+from locomm.peer.transport.admission import CERT_MAGIC, Certificate, founder_id
 from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat
 
 __all__ = [
@@ -72,6 +76,7 @@ __all__ = [
     "public_der",
     "peers_key",
     "spec_key",
+    "swarm_spec_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,6 +105,11 @@ def peers_key(run_id: str) -> str:
 def spec_key(peer: str) -> str:
     """The DHT key of the run spec one peer runs (and signs)."""
     return f"locomm.spec.{peer}"
+
+
+def swarm_spec_key(swarm_id: str) -> str:
+    """The DHT key of the spec every member of a founder's swarm stores (one subkey per member)."""
+    return f"locomm.swarm.{swarm_id}"
 
 
 def heartbeat_ttl(round_s: float, heartbeat_ttl_s: float) -> float:
@@ -221,6 +231,11 @@ class SwarmKey:
             return cert is not None and cert.valid_for(signer, self.certificate.founder, now)
         return hmac.compare_digest(self.tag(message), tag)
 
+    @property
+    def swarm_id(self) -> str | None:
+        """Certificate mode: the founder's swarm id (``join --swarm ID``); None in the other modes."""
+        return founder_id(self.certificate.founder) if self.certificate is not None else None
+
     def check_identity(self, peer: str) -> None:
         """Certificate mode: this peer's id must be the one its certificate names (ConfigError with the fix)."""
         if self.certificate is not None and self.certificate.peer != peer:
@@ -311,6 +326,8 @@ class SwarmValidator(RecordValidatorBase):
             self.peer_id = peer_id_of(self.public_der)
         self._peers_keys: dict[bytes, float] = {}  # DHTID bytes of a run's peers key -> its heartbeat TTL
         self._spec_keys: OrderedDict[bytes, str] = OrderedDict()  # DHTID bytes of spec.<id> -> id
+        cert = swarm_key.certificate if swarm_key is not None else None
+        self._swarm_spec = _key_id(swarm_spec_key(founder_id(cert.founder))) if cert is not None else None
         self.refused = 0
         """Records refused so far (a counter for logs and tests)."""
         if self.peer_id:
@@ -381,14 +398,20 @@ class SwarmValidator(RecordValidatorBase):
         ttl_s = self._peers_keys.get(record.key)
         owner = self._spec_keys.get(record.key)
         signed = _split(record.value)
-        ours = ttl_s is not None or owner is not None
+        swarm_spec = record.key == self._swarm_spec
+        ours = ttl_s is not None or owner is not None or swarm_spec
         if signed is None:
             return not ours and not self.closed  # an unsigned record of someone else's key, in an open swarm
         signer = self._verify(record, signed)
         if signer is None:
             return False
-        if record.key == _key_id(spec_key(signer)):  # the signer's own spec
+        if swarm_spec:  # a member's copy of the swarm's spec, under its own subkey
+            if record.subkey == DHTProtocol.IS_REGULAR_VALUE or msgpack.unpackb(record.subkey) != signer:
+                return False
             if not self._spec_ok(record, signed.value):
+                return False
+        elif record.key == _key_id(spec_key(signer)):  # the signer's own spec
+            if record.subkey != DHTProtocol.IS_REGULAR_VALUE or not self._spec_ok(record, signed.value):
                 return False
         elif owner is not None:
             return False  # another peer's spec key
@@ -421,8 +444,6 @@ class SwarmValidator(RecordValidatorBase):
         return record.expiration_time <= self.clock() + 2 * heartbeat_ttl(beat.round_s, ttl_s)
 
     def _spec_ok(self, record: DHTRecord, value: bytes) -> bool:
-        if record.subkey != DHTProtocol.IS_REGULAR_VALUE:
-            return False
         v = MSGPackSerializer.loads(value)
         if not (
             isinstance(v, dict)

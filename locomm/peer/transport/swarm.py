@@ -6,6 +6,8 @@ DHT records (small ones only; tensors never go through the DHT), each signed by 
 - ``locomm.spec.<peer id>``: {"hash", "toml", "version", "closed"}, the spec that peer runs; every peer
   stores its own and refreshes it, so the spec lives as long as any peer does. A joiner without
   --config reads the records of the peers its --initial-peers name (``/p2p/ID``) and nobody else's.
+- ``locomm.swarm.<swarm id>`` (certificate mode): the same value, one subkey per member; what a joiner
+  holding a certificate of that founder reads (``join --swarm ID``), through any DHT node.
 - ``locomm.<run>.peers``, one subkey per peer id (only that peer may write it): a heartbeat
   (:class:`locomm.protocol.membership.Heartbeat`) that expires after ``heartbeat_ttl_s``, or after
   MEMBER_LAG_ROUNDS + 2 of the peer's rounds when that is longer (membership is decided by the round
@@ -25,7 +27,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 
 from locomm import PROTOCOL_VERSION
-from locomm.peer.transport.records import SPEC_TTL_S, peers_key, spec_key
+from locomm.peer.transport.records import SPEC_TTL_S, peers_key, spec_key, swarm_spec_key
 from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat, members_for_round, pick_stage
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "Heartbeat",
     "drop_refused",
     "fetch_spec",
+    "fetch_swarm_specs",
     "members_for_round",
     "peer_ids_of",
     "peers_key",
@@ -58,14 +61,23 @@ def peer_ids_of(maddrs: list[str] | tuple[str, ...]) -> list[str]:
 
 
 async def publish_spec(
-    dht: DHTNode, peer: str, spec_hash: str, toml: str, *, closed: bool = False, ttl: float = SPEC_TTL_S
+    dht: DHTNode,
+    peer: str,
+    spec_hash: str,
+    toml: str,
+    *,
+    closed: bool = False,
+    ttl: float = SPEC_TTL_S,
+    swarm_id: str | None = None,
 ) -> bool:
-    """Store the spec ``peer`` (this node) runs under its own key (the DHT's validator signs it)."""
-    return await dht.store(
-        spec_key(peer),
-        {"hash": spec_hash, "toml": toml, "version": PROTOCOL_VERSION, "closed": bool(closed)},
-        expiration_time=get_dht_time() + ttl,
-    )
+    """Store the spec ``peer`` (this node) runs under its own key (the DHT's validator signs it); with
+    ``swarm_id`` (certificate mode) also under the swarm's key, subkey ``peer``."""
+    value = {"hash": spec_hash, "toml": toml, "version": PROTOCOL_VERSION, "closed": bool(closed)}
+    expires = get_dht_time() + ttl
+    ok = await dht.store(spec_key(peer), value, expiration_time=expires)
+    if swarm_id is not None:
+        ok = await dht.store(swarm_spec_key(swarm_id), subkey=peer, value=value, expiration_time=expires) and ok
+    return ok
 
 
 def drop_refused(dht: DHTNode, key: str) -> int:
@@ -118,6 +130,22 @@ async def fetch_spec(dht: DHTNode, peer: str) -> dict[str, Any] | None:
     if not all(k in v for k in ("hash", "toml", "version", "closed")):
         return None
     return v
+
+
+async def fetch_swarm_specs(dht: DHTNode, swarm_id: str) -> dict[str, dict[str, Any]]:
+    """The spec records members of ``swarm_id`` stored under the swarm's key, by member (the validator, which
+    holds this peer's certificate, refused every record without a certificate of the same founder)."""
+    key = swarm_spec_key(swarm_id)
+    drop_refused(dht, key)
+    found = await dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    out = {}
+    for peer, item in found.value.items():
+        v = getattr(item, "value", None)
+        if isinstance(peer, str) and isinstance(v, dict) and all(k in v for k in ("hash", "toml", "version", "closed")):
+            out[peer] = v
+    return out
 
 
 async def store_heartbeat(dht: DHTNode, run_id: str, peer: str, record: dict[str, Any], ttl: float) -> bool:

@@ -97,6 +97,8 @@ class Host:
         self._refresh: asyncio.Task | None = None
         self._unknown_read = 0.0
         self._newest: dict[str, Heartbeat] = {}
+        self._pace: dict[str, tuple[int, float, int, float]] = {}
+        """Per peer, the round counter seen first and last on our monotonic clock: its pace as we observed it."""
         self._spec_stored = -math.inf
         self._id_dir: Path | None = None
         self._p2pd_record: Path | None = None
@@ -414,8 +416,24 @@ class Host:
             beats.append(b)
         if len(self._newest) > 4 * len(beats) + 64:
             self._newest = {p: b for p, b in self._newest.items() if b.expires >= now}
+            self._pace = {p: v for p, v in self._pace.items() if p in self._newest}
+        t = time.monotonic()
+        for b in beats:
+            pace = self._pace.get(b.peer)
+            if pace is None or b.round < pace[0]:  # first seen, or back behind where we first saw it: anew
+                self._pace[b.peer] = (b.round, t, b.round, t)
+            elif b.round > pace[2]:
+                self._pace[b.peer] = (pace[0], pace[1], b.round, t)
         self.beats = {b.peer: b for b in beats}
         return beats
+
+    def observed_round_s(self, peer: str) -> float | None:
+        """A peer's seconds per round as we saw its round counter move (None before it moved twice): the
+        bound on what it may declare of its pace (``protocol/timing.partner_eta``)."""
+        pace = self._pace.get(peer)
+        if pace is None or pace[2] - pace[0] < 2:
+            return None
+        return (pace[3] - pace[1]) / (pace[2] - pace[0])
 
     async def publish(self, beat: Heartbeat | None = None) -> None:
         """Store our heartbeat now (the driver's current one unless given)."""

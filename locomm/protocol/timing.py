@@ -111,6 +111,11 @@ def ema(old: float, new: float, keep: float = EMA_KEEP) -> float:
     return new if old == 0 else keep * old + (1 - keep) * new
 
 
+DECLARED_PACE_SLACK = 2.0
+"""A partner's declared round time is taken up to this many times the pace its round counter showed us (a peer
+that slowed down, e.g. by sharing its GPU, is within it; a liar declaring hours is not)."""
+
+
 def partner_eta(
     *,
     round_idx: int,
@@ -123,6 +128,7 @@ def partner_eta(
     wire_bytes: float,
     limits: Limits,
     now: float,
+    observed_round_s: float | None = None,
 ) -> float:
     """The time (``now``'s clock) by which a partner's payload of ``round_idx`` should be here.
 
@@ -139,6 +145,9 @@ def partner_eta(
         wire_bytes: the payload's size before coding (the upper bound the receiver knows).
         limits: the run's limits (the stall timeout is part of the slack).
         now: the present, in the clock of ``round_t0`` and of the answer.
+        observed_round_s: the partner's round time as this reader measured it (its round counter's pace on our
+            clock); the declared ``round_s`` is taken up to ``DECLARED_PACE_SLACK`` times it. None: not yet
+            measured.
     """
     if partner_round is not None and partner_round >= round_idx + PASSED_ROUNDS:
         # It has applied round_idx and dropped its payload: nothing of that round will come, and a pull would
@@ -147,7 +156,12 @@ def partner_eta(
         return now
     own = max(own_round_s, MIN_OWN_ROUND_S)
     round_s = float(round_s or own)
-    t0 = now if round_t0 is None else float(round_t0)
+    if observed_round_s is not None and observed_round_s > 0:
+        # What a partner declares of its pace is believed only as far as we saw it go: a liar's round time of
+        # hours would be waited for max_wait_s every round, never counted as a fault.
+        round_s = min(round_s, DECLARED_PACE_SLACK * observed_round_s)
+    # A round that began in the future is a lie (or a clock further off than a round): it began by now.
+    t0 = now if round_t0 is None else min(float(round_t0), now)
     # Never slower than the floor: a transfer below it is cut anyway, so a partner that declares less (a liar's
     # way to be waited for max_wait_s every round) is waited for as if it uploaded at the floor.
     up = max(float(up_Bps or 0.0), limits.min_rate_Bps) or math.inf

@@ -145,3 +145,19 @@ def test_a_partner_declaring_an_upload_below_the_floor_is_waited_for_as_at_the_f
     honest = partner_eta(**kw, up_Bps=1e6, wire_bytes=50e6, limits=lim, now=100.0)
     liar = partner_eta(**kw, up_Bps=1.0, wire_bytes=50e6, limits=lim, now=100.0)
     assert liar == honest == 100.0 + 100.0 + 20.0 + 2.5
+
+
+def test_a_declared_pace_is_believed_only_as_far_as_it_was_seen() -> None:
+    # A partner that declares 3 hours a round but moved its round counter every 40 s on our clock: its payload
+    # is expected as from a 2 x 40 s round, not in 3 hours (when it would be waited for max_wait_s, no fault).
+    kw = dict(round_idx=5, partner_round=5, up_Bps=2e6, partners=1, own_round_s=30.0, wire_bytes=2e6, limits=LIM)
+    liar = partner_eta(round_t0=100.0, round_s=3 * 3600.0, now=110.0, **kw)
+    assert liar > 10_000
+    seen = partner_eta(round_t0=100.0, round_s=3 * 3600.0, now=110.0, observed_round_s=40.0, **kw)
+    assert seen == pytest.approx(100.0 + 80.0 + 1.0 + 20.0 + 0.25 * 80.0)
+    # An honest partner that declares what we saw is unchanged.
+    honest = partner_eta(round_t0=100.0, round_s=40.0, now=110.0, **kw)
+    assert partner_eta(round_t0=100.0, round_s=40.0, now=110.0, observed_round_s=40.0, **kw) == honest
+    # A round that "began" an hour in the future began by now.
+    future = partner_eta(round_t0=3700.0, round_s=40.0, now=110.0, **kw)
+    assert future == pytest.approx(110.0 + 40.0 + 1.0 + 20.0 + 10.0)

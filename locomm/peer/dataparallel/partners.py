@@ -73,6 +73,7 @@ class Partners:
                 wire_bytes=self.wire_bytes,
                 limits=self.host.limits,
                 now=now_wall,
+                observed_round_s=self.host.observed_round_s(peer),
             )
             return now + (at - now_wall)
 

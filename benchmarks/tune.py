@@ -1,6 +1,6 @@
 """Tune every outer algorithm with the same budget, then compare the best of each on other seeds.
 
-Budget, the same for every algorithm of a family: 12 points over its outer hyperparameters (15 for
+Budget, the same for every algorithm of a family: 12 points over its outer hyperparameters (18 for
 DiLoCo and NoLoCo, each schedule), each point one
 simulated run of 8 workers on the nano model, batch 8 x 128 bytes, H = 20, 15 rounds (307k tokens
 per worker, the budget of benchmarks/algorithms.py) or 45 rounds (the cosine schedule over the whole
@@ -8,9 +8,9 @@ longer run), on the tuning seed (data and init seed 1, grouping seed outer.seed 
 final validation loss (mean over workers, 8 batches). The daemon's schedule: overlap on, each
 exchange applied one round late. Grids:
 
-    DiLoCo      lr {0.5, 0.7, 1.0, 1.3, 1.6} x momentum {0, 0.5, 0.9}      (15 points: both winners of the
-    NoLoCo      alpha {0.5, 0.7, 1.0, 1.3, 1.6} x beta {0, 0.5, 0.9}        first 12-point grids, lr 0.3-1.0,
-                                                                          sat on lr = 1.0; gamma = alpha)
+    DiLoCo      lr {0.3, 0.5, 0.7, 1.0, 1.3, 1.6} x momentum {0, 0.5, 0.9}    (18 points: both winners of the
+    NoLoCo      alpha {0.3, 0.5, 0.7, 1.0, 1.3, 1.6} x beta {0, 0.5, 0.9}      first 12-point grids, lr 0.3-1.0,
+                                                                            sat on lr = 1.0; gamma = alpha)
     GASLoC      eta {0.5, 0.7, 1.0} x gamma {0, 0.3, 0.6, 0.9}         (a = 0.5, matching)
     SparseLoCo  lr {1, 3, 9} x density {0.02, 0.03} x EF decay {0.9, 0.95}   (paper's aggregation)
 
@@ -78,7 +78,7 @@ VARIANTS = {  # name -> (outer algorithm, fixed changes, overlap); tuned on the 
 }
 
 
-LRS = (0.5, 0.7, 1.0, 1.3, 1.6)
+LRS = (0.3, 0.5, 0.7, 1.0, 1.3, 1.6)
 
 
 def grid(algo: str) -> list[dict[str, float]]:

@@ -309,36 +309,38 @@ def test_forged_records_and_outsiders_are_refused(tmp_path: Path, launcher: Laun
         assert not any(seen["outsider"] in r["member_ids"] for r in p.events("round")), p.name
 
 
+def _admit(*args: str) -> dict:
+    """``locomm-peer admit ARGS --json``: its JSON line."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "locomm.cli.main", "admit", *args, "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_admission_certificates_keep_minted_identities_out(tmp_path: Path, launcher: Launcher) -> None:
     """A founder admits two peers (`admit`); they train together. Minted identities are refused at the door: a
     raw node holding a rogue founder's certificate stores a heartbeat no honest node takes, one carrying a
     member's stolen certificate likewise, and a `join` with a rogue certificate exits 2; the members never count
     either, and go on training."""
-    import json
-    import subprocess
-    import sys
 
     from hivemind.utils import get_dht_time
 
     from locomm.peer.transport.admission import Certificate, load_founder
     from locomm.peer.transport.records import SwarmKey, SwarmValidator, peers_key
 
-    def admit(*args: str) -> dict:
-        r = subprocess.run(
-            [sys.executable, "-m", "locomm.cli.main", "admit", *args, "--json"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert r.returncode == 0, r.stderr[-2000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    admit("--new-founder", str(tmp_path / "founder.key"))
-    admit("--new-founder", str(tmp_path / "rogue.key"))
+    _admit("--new-founder", str(tmp_path / "founder.key"))
+    _admit("--new-founder", str(tmp_path / "rogue.key"))
     certs = {}
     for name, founder in (("a", "founder"), ("b", "founder"), ("m", "rogue")):
-        pid = admit("--show-id", "--identity", str(tmp_path / f"{name}.id"))["peer_id"]
-        admit("--founder-key", str(tmp_path / f"{founder}.key"), "--peer", pid, "--out", str(tmp_path / f"{name}.cert"))
+        pid = _admit("--show-id", "--identity", str(tmp_path / f"{name}.id"))["peer_id"]
+        _admit(
+            "--founder-key", str(tmp_path / f"{founder}.key"), "--peer", pid, "--out", str(tmp_path / f"{name}.cert")
+        )
         certs[name] = pid
     cfg = _spec(tmp_path)
 
@@ -385,26 +387,14 @@ def test_join_by_swarm_id_through_a_bare_hivemind_dht_node(tmp_path: Path, launc
     """`join --swarm ID`: a member with its certificate and no --config takes the spec the founder's members store,
     through a plain hivemind DHT node that publishes no spec and checks nothing (before, such a joiner exited 2,
     "no run spec found"); a wrong id, or an id without a certificate, exits 2 with the fix."""
-    import json
     import subprocess
-    import sys
 
     import hivemind
 
-    def admit(*args: str) -> dict:
-        r = subprocess.run(
-            [sys.executable, "-m", "locomm.cli.main", "admit", *args, "--json"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert r.returncode == 0, r.stderr[-2000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    swarm_id = admit("--new-founder", str(tmp_path / "founder.key"))["swarm_id"]
+    swarm_id = _admit("--new-founder", str(tmp_path / "founder.key"))["swarm_id"]
     for name in ("a", "b"):
-        pid = admit("--show-id", "--identity", str(tmp_path / f"{name}.id"))["peer_id"]
-        admit("--founder-key", str(tmp_path / "founder.key"), "--peer", pid, "--out", str(tmp_path / f"{name}.cert"))
+        pid = _admit("--show-id", "--identity", str(tmp_path / f"{name}.id"))["peer_id"]
+        _admit("--founder-key", str(tmp_path / "founder.key"), "--peer", pid, "--out", str(tmp_path / f"{name}.cert"))
     bare = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         boot = [str(m) for m in bare.get_visible_maddrs()][0]

@@ -294,10 +294,18 @@ class PayloadCodec:
 
     # -- the simulator's path ----------------------------------------------------------
 
+    def coded_bytes(self, payload: Mapping[str, Any]) -> int:
+        """The bytes ``payload`` would take on the wire (encoded, not decoded: a count only)."""
+        self.check_names(payload)
+        return sum(len(self.encode_part(payload, part)) for part in self.parts(self._encoded_bytes(payload)))
+
+    def _encoded_bytes(self, payload: Mapping[str, Any]) -> dict[str, int]:
+        return {t.name: len(payload[t.name]) for t in self.tensors if t.encoded}
+
     def transmit(self, payload: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
         """What a receiver gets, and the bytes on the wire: the daemon's encode/decode, in process."""
         self.check_names(payload)
-        nbytes = {t.name: len(payload[t.name]) for t in self.tensors if t.encoded}
+        nbytes = self._encoded_bytes(payload)
         dest = self.allocate(nbytes)
         total = 0
         for part in self.parts(nbytes):

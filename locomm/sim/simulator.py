@@ -217,7 +217,7 @@ class Simulator:
             if butterfly:  # hivemind's averager moves raw fp32, no codec
                 wire.append(plan.payload)
                 sizes[w] = float(sum(v.numel() * v.element_size() for v in plan.payload.values()))
-                coded[w] = float(self.coder.transmit(plan.payload)[1])
+                coded[w] = float(self.coder.coded_bytes(plan.payload))
             else:
                 try:
                     received, nbytes = self.coder.transmit(plan.payload)

@@ -37,12 +37,6 @@ def theta_codec(stack: str, part_elems: int = MIN_PART_ELEMS) -> PayloadCodec:
     return PayloadCodec(SHAPES, {"theta": "parameter"}, CompressionConfig(parameter=stack), part_elems=part_elems)
 
 
-def encoded_size(codec: PayloadCodec, payload) -> int:
-    """The daemon's count: the sum of the encoded parts it writes (Outgoing/push, stats.bytes_sent)."""
-    enc = {t.name: len(payload[t.name]) for t in codec.tensors if t.encoded}
-    return sum(len(codec.encode_part(payload, p)) for p in codec.parts(enc))
-
-
 @pytest.fixture(scope="module")
 def pool():
     with ThreadPoolExecutor(2) as ex:
@@ -65,7 +59,7 @@ def test_noloco_bytes_per_partner_per_round(stack, raw_per_elem):
     assert nparts > len(SHAPES)  # emb spans several parts
     assert codec.raw_bytes() == raw_per_elem * P  # 4P in fp32, 2P in bf16, before lossless coding
     received, nbytes = codec.transmit(ex.payload)
-    assert nbytes == encoded_size(codec, ex.payload)
+    assert nbytes == codec.coded_bytes(ex.payload)
     if stack == "none":
         assert nbytes == 4 * P  # raw fp32, no framing at all
     elif stack == "bf16":
@@ -142,7 +136,7 @@ def test_simulator_counts_the_daemons_bytes_and_rounding(nano_spec, nano_splits,
         )
         for w, (payload, _got, n) in enumerate(seen):
             assert set(payload) == {f"theta/{k}" for k in params}
-            size = encoded_size(daemon, payload)
+            size = daemon.coded_bytes(payload)
             assert res.bytes_sent[w] == size == n  # one partner per round
             assert res.bytes_received[1 - w] == size
             if stack == "none":

@@ -34,17 +34,10 @@ def swarm_key_option(f: F) -> F:
 
 def check_swarm_id(swarm_id: str, swarm_key: Path | None) -> None:
     """``join --swarm ID``: the --swarm-key must be an admission certificate of that founder (ConfigError with
-    the fix otherwise)."""
-    from locomm.peer.transport.admission import CERT_MAGIC, Certificate, founder_id  # noqa: PLC0415
+    the fix otherwise), checked before p2pd starts; the host checks the same again (``peer/spec_sync.py``)."""
+    from locomm.peer.transport.records import SwarmKey, check_swarm_id  # noqa: PLC0415 - imports hivemind
 
-    if swarm_key is None or swarm_key.read_bytes()[:4] != CERT_MAGIC:
-        raise ConfigError(
-            f"--swarm {swarm_id} needs your admission certificate of that swarm as --swarm-key (the founder makes "
-            "it: locomm-peer admit --founder-key FOUNDER.key --peer YOUR_PEER_ID --out member.cert)"
-        )
-    own = founder_id(Certificate.load(swarm_key).founder)
-    if own != swarm_id:
-        raise ConfigError(f"--swarm {swarm_id}: the certificate {swarm_key} is of swarm {own}, not this one")
+    check_swarm_id(swarm_id, SwarmKey.load(swarm_key) if swarm_key is not None else None)
 
 
 def check_swarm_key(path: Path | None) -> Path | None:

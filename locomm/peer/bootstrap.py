@@ -83,14 +83,7 @@ async def run_bootstrap(
         while not stop.is_set():
             if spec is not None and time.monotonic() - stored > SPEC_TTL_S / 3:
                 try:
-                    await publish_spec(
-                        dht,
-                        me,
-                        spec.hash(),
-                        spec.to_toml(),
-                        closed=key is not None,
-                        swarm_id=key.swarm_id if key is not None else None,
-                    )
+                    await publish_spec(dht, me, spec, key)
                     stored = time.monotonic()
                 except Exception as e:  # a missed refresh is retried next time
                     log.warning("storing the run spec failed: %s", e)

@@ -300,14 +300,7 @@ class Host:
         """Store (again) the spec this peer runs under its own key, signed; every peer does, every
         SPEC_TTL_S / 3, so the spec lives as long as any peer does."""
         self._spec_stored = time.monotonic()
-        await publish_spec(
-            self.dht,
-            self.me,
-            self.spec.hash(),
-            self.spec.to_toml(),
-            closed=self.swarm_key is not None,
-            swarm_id=self.swarm_key.swarm_id if self.swarm_key is not None else None,
-        )
+        await publish_spec(self.dht, self.me, self.spec, self.swarm_key)
 
     # -- services and compute ----------------------------------------------------------
 

@@ -27,7 +27,7 @@ from typing import Any
 from locomm import PROTOCOL_VERSION
 from locomm.config import RunSpec
 from locomm.peer.options import NodeOptions, SpecMismatch
-from locomm.peer.transport.records import SwarmKey
+from locomm.peer.transport.records import SwarmKey, check_swarm_id
 from locomm.peer.transport.swarm import fetch_spec, fetch_swarm_specs, peer_ids_of
 
 __all__ = ["settle_spec"]
@@ -42,16 +42,11 @@ async def settle_spec(
 ) -> RunSpec:
     """The spec a starting peer runs (see the module docstring): ``own``, the one of ``opts``, or the swarm's read
     through ``dht``; ``key``: this peer's swarm key (None: an open swarm); ``event`` writes to its event log.
-    Raises SpecMismatch for a swarm it cannot join."""
+    Raises SpecMismatch for a swarm it cannot join, ConfigError for a ``--swarm`` its key is not of."""
     closed = key is not None
     swarm_id = key.swarm_id if key is not None else None
-    if opts.swarm_id is not None and opts.swarm_id != swarm_id:
-        raise SpecMismatch(
-            f"--swarm {opts.swarm_id} is not the swarm of this certificate ({swarm_id}): ask that swarm's founder "
-            "for a certificate (locomm-peer admit)"
-            if swarm_id is not None
-            else f"--swarm {opts.swarm_id} needs your admission certificate of that swarm: --swarm-key member.cert"
-        )
+    if opts.swarm_id is not None:
+        check_swarm_id(opts.swarm_id, key)
     if not opts.initial_peers:
         return own
     # With --config, an empty swarm is no error: fewer reads before this peer starts it with its own spec.

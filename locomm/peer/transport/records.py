@@ -69,6 +69,7 @@ __all__ = [
     "SPEC_TTL_S",
     "SwarmKey",
     "SwarmValidator",
+    "check_swarm_id",
     "heartbeat_ttl",
     "is_peer_id",
     "load_identity",
@@ -245,6 +246,17 @@ class SwarmKey:
             )
 
 
+def check_swarm_id(swarm_id: str, key: SwarmKey | None) -> None:
+    """``join --swarm ID``: ``key`` must be an admission certificate of that founder (ConfigError with the fix)."""
+    if key is None or key.swarm_id is None:
+        raise ConfigError(
+            f"--swarm {swarm_id} needs your admission certificate of that swarm as --swarm-key (the founder makes "
+            "it: locomm-peer admit --founder-key FOUNDER.key --peer YOUR_PEER_ID --out member.cert)"
+        )
+    if key.swarm_id != swarm_id:
+        raise ConfigError(f"--swarm {swarm_id}: the certificate is of swarm {key.swarm_id}, not this one")
+
+
 def is_peer_id(text: str) -> bool:
     """Whether ``text`` is a libp2p peer id as base58 writes it (``Qm...`` or ``12D3KooW...``, round-tripping)."""
     try:
@@ -326,8 +338,8 @@ class SwarmValidator(RecordValidatorBase):
             self.peer_id = peer_id_of(self.public_der)
         self._peers_keys: dict[bytes, float] = {}  # DHTID bytes of a run's peers key -> its heartbeat TTL
         self._spec_keys: OrderedDict[bytes, str] = OrderedDict()  # DHTID bytes of spec.<id> -> id
-        cert = swarm_key.certificate if swarm_key is not None else None
-        self._swarm_spec = _key_id(swarm_spec_key(founder_id(cert.founder))) if cert is not None else None
+        swarm_id = swarm_key.swarm_id if swarm_key is not None else None
+        self._swarm_spec = _key_id(swarm_spec_key(swarm_id)) if swarm_id is not None else None
         self.refused = 0
         """Records refused so far (a counter for logs and tests)."""
         if self.peer_id:

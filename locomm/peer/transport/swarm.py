@@ -27,7 +27,8 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 
 from locomm import PROTOCOL_VERSION
-from locomm.peer.transport.records import SPEC_TTL_S, peers_key, spec_key, swarm_spec_key
+from locomm.config import RunSpec
+from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, peers_key, spec_key, swarm_spec_key
 from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat, members_for_round, pick_stage
 
 __all__ = [
@@ -61,22 +62,15 @@ def peer_ids_of(maddrs: list[str] | tuple[str, ...]) -> list[str]:
 
 
 async def publish_spec(
-    dht: DHTNode,
-    peer: str,
-    spec_hash: str,
-    toml: str,
-    *,
-    closed: bool = False,
-    ttl: float = SPEC_TTL_S,
-    swarm_id: str | None = None,
+    dht: DHTNode, peer: str, spec: RunSpec, key: SwarmKey | None = None, *, ttl: float = SPEC_TTL_S
 ) -> bool:
-    """Store the spec ``peer`` (this node) runs under its own key (the DHT's validator signs it); with
-    ``swarm_id`` (certificate mode) also under the swarm's key, subkey ``peer``."""
-    value = {"hash": spec_hash, "toml": toml, "version": PROTOCOL_VERSION, "closed": bool(closed)}
+    """Store the spec ``peer`` (this node) runs under its own key (the DHT's validator signs it), marked closed
+    when it runs with a swarm ``key``; with a certificate also under the swarm's key, subkey ``peer``."""
+    value = {"hash": spec.hash(), "toml": spec.to_toml(), "version": PROTOCOL_VERSION, "closed": key is not None}
     expires = get_dht_time() + ttl
     ok = await dht.store(spec_key(peer), value, expiration_time=expires)
-    if swarm_id is not None:
-        ok = await dht.store(swarm_spec_key(swarm_id), subkey=peer, value=value, expiration_time=expires) and ok
+    if key is not None and key.swarm_id is not None:
+        ok = await dht.store(swarm_spec_key(key.swarm_id), subkey=peer, value=value, expiration_time=expires) and ok
     return ok
 
 

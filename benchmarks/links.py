@@ -109,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="--reachability of the NATed peers' join (auto: AutoNAT decides, after a few dial-backs)",
     )
     ap.add_argument(
+        "--open-reachability",
+        choices=["public", "auto"],
+        default="auto",
+        help="--reachability of the open peers' join (public: they check their relay service at start)",
+    )
+    ap.add_argument(
         "--algo", choices=["noloco", "gasloc", "sparseloco", "diloco"], help="Override outer.algo of the config"
     )
     ap.add_argument("--island", type=int, default=0, help="The first K peers form one island (join --island)")
@@ -460,6 +466,7 @@ def run_bench(args: argparse.Namespace, spec: RunSpec, folder: Path, state: dict
                 f"/ip4/{h.ip}/tcp/0",
                 "--json",
                 *(["--reachability", args.nat_reachability] if h.nat else []),
+                *(["--reachability", "public"] if not h.nat and args.open_reachability == "public" else []),
                 *(a for r in ([initial, *relays] if h.nat and relays else []) for a in ("--relay", r)),
                 *(["--island", "isl0", "--island-size", str(args.island)] if i < args.island else []),
                 *args.peer_arg,

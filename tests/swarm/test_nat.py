@@ -14,7 +14,9 @@ in the first rounds (measured: 48/48, 48/48, 48/48 and 45/48 with one unreachabl
 payload's path (pushed / pulled, over a direct / relayed connection: ``locomm/peer/transport/paths.py``) is checked
 against its pair: open-open direct, NAT-NAT relayed (or direct once hole-punched), and the NATed peers'
 connections all outbound. The lab's bridge subnet is 11.77.X (``--wan``): libp2p treats a relay it reaches on a
-private address as a LAN one and announces no relayed address through it. Runs benchmarks/links.py (the same
+private address as a LAN one and announces no relayed address through it. The open peers join with
+``--reachability public`` (benchmarks/links.py ``--open-reachability public``), so they serve as relays from their
+start: each must have checked its relay service, as the bare relays do. Runs benchmarks/links.py (the same
 bench, so the two cannot drift) and reads its JSON. Skipped unless netlab (root, iproute2, iptables) is
 available.
 About 60 s on 2 cores, 100 s under load.
@@ -29,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from locomm.peer.host import RELAY_STARTS
+from locomm.peer.transport.relay_check import PROBE_BYTES
 from locomm.testing import netlab
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +41,16 @@ pytestmark = [pytest.mark.skipif(not OK, reason=f"netlab NAT unavailable: {WHY}"
 
 ROUNDS = 4
 PEERS, NAT = 4, 2
+
+
+def _events(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def _why(result: dict, logs: Path) -> str:
@@ -68,6 +82,8 @@ def test_four_peers_two_behind_nat_all_pairs_exchange(tmp_path):
         str(NAT),
         "--relays",
         "3",
+        "--open-reachability",
+        "public",
         "--wan",
         "11.77",
         "--rounds",
@@ -133,3 +149,10 @@ def test_four_peers_two_behind_nat_all_pairs_exchange(tmp_path):
     for p in peers[2:]:
         conns = p["tcp_connections"]
         assert conns and all(c.startswith(p["ip"] + ":") for c in conns), why
+    # the open peers join with --reachability public: each checked its relay service before it served
+    # (peer/transport/relay_check.py), restarting p2pd while the limited one served, at most RELAY_STARTS times
+    for i in (0, 1):
+        checks = [e for e in _events(logs / f"peer{i}.jsonl") if e.get("event") == "relay_checked"]
+        assert checks and [e["start"] for e in checks] == list(range(1, len(checks) + 1)), (i, checks, why)
+        assert all(e["carried"] < PROBE_BYTES for e in checks[:-1]), (i, checks)
+        assert checks[-1]["carried"] >= PROBE_BYTES or len(checks) == RELAY_STARTS, (i, checks)

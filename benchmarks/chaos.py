@@ -17,7 +17,15 @@ locomm/testing/launcher.py, train for ``--minutes`` while faults drawn from ``ra
 - ``leave_exchanging``: SIGINT or SIGTERM (to the peer alone or its group) just after one of its "round"
   events, while that round's exchange is in flight; ``leave_random``: the same at a random time. A clean
   leave publishes a final 'finished' heartbeat (locomm/peer/presence.py). Some seconds later the same
-  peer (its identity and checkpoint, with --config) or a fresh one (without) joins again.
+  peer (its identity and checkpoint, with --config) or a fresh one (without) joins again;
+- ``link_drop``: just after one of the peer's "round" events (its exchange in flight) its link drops to
+  1 Mbit/s for 10-40 s, then comes back;
+- ``disk_full``: the peer's checkpoint folder sits on a tmpfs of ``--disk-mb`` per machine (0: the ordinary
+  disk, and no such fault); the fault fills that tmpfs to the last byte for 20-90 s (several checkpoint
+  writes, ``--checkpoint-every 1``), then frees it: the peer must log ENOSPC and train on;
+- ``clock_step``: the machine's wall clock (CLOCK_REALTIME of its peer process, through the LD_PRELOAD shim
+  of locomm/testing/clock.py, compiled at the start; monotonic clocks are untouched, as in an NTP step) steps
+  by +30 or -30 s for 20-120 s, then steps back. Without a C compiler this kind is not drawn (reported).
 
 The live count (peers up and not stopped) stays in ``--floor`` .. ``--ceiling``: a fault that would take it
 below the floor is not drawn, a join that would pass the ceiling neither; when crashes take it below the
@@ -72,7 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from locomm.config import RunSpec
-from locomm.testing import netlab
+from locomm.testing import clock, netlab
 from locomm.testing.launcher import Launcher, PeerProcess
 
 import _harness
@@ -88,6 +96,9 @@ KINDS = (
     "late_join",
     "leave_exchanging",
     "leave_random",
+    "link_drop",
+    "disk_full",
+    "clock_step",
 )
 WEIGHTS = {
     "kill_restart": 0.20,
@@ -98,6 +109,9 @@ WEIGHTS = {
     "late_join": 0.13,
     "leave_exchanging": 0.12,
     "leave_random": 0.10,
+    "link_drop": 0.10,
+    "disk_full": 0.07,
+    "clock_step": 0.07,
 }
 KEPT_EVENTS = {
     "started",
@@ -163,6 +177,12 @@ class Machine:
     rate: str
     gen: int = 0
     shaped: bool = False
+    disk: Path | None = None
+    """The tmpfs holding this machine's checkpoint folders (``--disk-mb``), or None."""
+    clock: clock.Clock | None = None
+    """The wall clock of its peers (locomm/testing/clock.py), or None without the shim."""
+    disk_full: bool = False
+    clock_stepped: bool = False
     reserved: bool = False
     """A restart or rejoin is scheduled here."""
     inc: Inc | None = None
@@ -193,6 +213,8 @@ class Inc:
     t_exit: float | None = None
     returncode: int | None = None
     armed: dict[str, Any] | None = None
+    drop_armed: float | None = None
+    """link_drop: when it was drawn; the link drops at the next "round" event (or ARM_TIMEOUT_S later)."""
     hang_reported: bool = False
 
     @property
@@ -249,6 +271,19 @@ class Chaos:
         self.sockets: dict[str, str] = {}
         """p2pd socket uid -> incarnation, from the p2pd command lines seen."""
         self.last_scan = 0.0
+        self.mounts: list[Path] = []
+        self.skipped: dict[str, str] = {}
+        """Fault kinds this machine cannot inject, with why (their weight is set to 0)."""
+        self.clock_shim, why = clock.build(folder)
+        if self.clock_shim is None:
+            self.skip("clock_step", why)
+        if args.disk_mb <= 0:
+            self.skip("disk_full", "--disk-mb 0: the checkpoint folders are on the ordinary disk")
+
+    def skip(self, kind: str, why: str) -> None:
+        self.weights[kind] = 0.0
+        self.skipped[kind] = why
+        self.log(f"{kind} is not drawn: {why}")
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -299,7 +334,22 @@ class Chaos:
     def build(self) -> None:
         for i in range(self.args.machines):
             rate = self.args.rate
-            self.machines.append(Machine(i, self.lab.add_host(f"m{i}", rate=None if rate == "none" else rate), rate))
+            m = Machine(i, self.lab.add_host(f"m{i}", rate=None if rate == "none" else rate), rate)
+            if self.args.disk_mb > 0:
+                m.disk = self.folder / "disk" / f"m{i}"
+                m.disk.mkdir(parents=True)
+                subprocess.run(
+                    ["mount", "-t", "tmpfs", "-o", f"size={self.args.disk_mb}m,mode=0700", "tmpfs", str(m.disk)],
+                    check=True,
+                )
+                self.mounts.append(m.disk)
+            if self.clock_shim is not None:
+                (self.folder / "clock").mkdir(exist_ok=True)
+                m.clock = clock.Clock(self.clock_shim, self.folder / "clock" / f"m{i}")
+            self.machines.append(m)
+
+    def ckpt_dir(self, m: Machine, gen: int) -> Path:
+        return (m.disk if m.disk is not None else self.folder / "ckpt") / f"m{m.index}g{gen}"
 
     def bootstrap_addr(self, exclude: Machine | None = None) -> str | None:
         cands = [i for i in self.live() if i.machine is not exclude]
@@ -323,8 +373,9 @@ class Chaos:
         if fresh:
             m.gen += 1
         name = f"m{m.index}g{m.gen}i{sum(1 for i in self.incs if i.machine is m and i.gen == m.gen)}"
-        ckpt = self.folder / "ckpt" / f"m{m.index}g{m.gen}"
+        ckpt = self.ckpt_dir(m, m.gen)
         ckpt.mkdir(parents=True, exist_ok=True)
+        env = m.clock.env() if m.clock is not None else {}
         ident = self.folder / "ids" / f"m{m.index}g{m.gen}.key"
         ident.parent.mkdir(exist_ok=True)
         peer = self.launcher.start(
@@ -342,6 +393,7 @@ class Chaos:
             config=self.spec_path if with_config else None,
             initial_peers=initial,
             spawn=m.host.popen,
+            env=env,
         )
         inc = Inc(name, m, m.gen, peer, how, with_config, self.now(), LogTail(peer.log))
         self.incs.append(inc)
@@ -393,6 +445,10 @@ class Chaos:
                     inc.last_round_t = t
                     if inc.armed is not None and inc.cause is None:
                         self.leave_now(inc, **inc.armed)
+                    if inc.drop_armed is not None:
+                        self.drop_link(inc, e)
+            if inc.drop_armed is not None and t - inc.drop_armed > ARM_TIMEOUT_S:
+                self.drop_link(inc, None)
             if inc.armed is not None and inc.cause is None and t - inc.armed["armed_at"] > ARM_TIMEOUT_S:
                 self.leave_now(inc, **{**inc.armed, "arm_timeout": True})
             rc = inc.peer.poll()
@@ -459,14 +515,23 @@ class Chaos:
         ]
         if starting:
             feasible["kill_starting"] = starting
-        shapeable = [i for i in self.live() if not i.machine.shaped]
+        shapeable = [i for i in self.live() if not i.machine.shaped and i.drop_armed is None]
         if shapeable:
             feasible["slow_link"] = shapeable
+            feasible["link_drop"] = shapeable
+        fillable = [i for i in self.live() if i.machine.disk is not None and not i.machine.disk_full]
+        if fillable:
+            feasible["disk_full"] = fillable
+        steppable = [i for i in self.live() if i.machine.clock is not None and not i.machine.clock_stepped]
+        if steppable:
+            feasible["clock_step"] = steppable
         if self.free_machines() and self.occupied() < self.args.ceiling and self.live():
             feasible["late_join"] = self.free_machines()
         if not feasible:
             return False
-        kinds = list(feasible)
+        kinds = [k for k in feasible if self.weights[k] > 0]
+        if not kinds:
+            return False
         kind = self.rng.choices(kinds, weights=[self.weights[k] for k in kinds])[0]
         target = self.rng.choice(feasible[kind])
         getattr(self, f"do_{kind}")(target)
@@ -498,7 +563,7 @@ class Chaos:
             rec["restarted_as"] = m.inc.name
 
     def corrupt(self, m: Machine, mode: str) -> str | None:
-        path = self.folder / "ckpt" / f"m{m.index}g{m.gen}" / "checkpoint.safetensors"
+        path = self.ckpt_dir(m, m.gen) / "checkpoint.safetensors"
         if not path.exists():
             return None
         size = path.stat().st_size
@@ -542,6 +607,77 @@ class Chaos:
             rec["t_end"] = round(self.now(), 3)
 
         self.later(dur, "restore link", restore)
+
+    def do_link_drop(self, inc: Inc) -> None:
+        inc.drop_armed = self.now()
+        inc.machine.shaped = True  # reserved: no slow_link on it meanwhile
+
+    def drop_link(self, inc: Inc, round_event: dict[str, Any] | None) -> None:
+        """The armed link drop: 1 Mbit/s while the round's exchange is in flight, for 10-40 s."""
+        m, armed_at, inc.drop_armed = inc.machine, inc.drop_armed or self.now(), None
+        dur = self.rng.uniform(10.0, 40.0)
+        since = round(time.time() - round_event["time"], 3) if round_event else None
+        rec = self.fault(
+            "link_drop",
+            inc,
+            rate="1mbit",
+            for_s=round(dur, 2),
+            armed_s=round(self.now() - armed_at, 3),
+            after_round=round_event.get("round") if round_event else None,
+            since_round_event_s=since,
+        )
+        with contextlib.suppress(Exception):
+            m.host.shape(up="1mbit", down="1mbit")
+
+        def restore() -> None:
+            base = None if m.rate == "none" else m.rate
+            with contextlib.suppress(Exception):
+                m.host.shape(up=base, down=base)
+            m.shaped = False
+            rec["t_end"] = round(self.now(), 3)
+
+        self.later(dur, "restore link", restore)
+
+    def do_disk_full(self, inc: Inc) -> None:
+        m = inc.machine
+        assert m.disk is not None
+        dur = self.rng.uniform(20.0, 90.0)
+        filler = m.disk / "filler"
+        st = os.statvfs(m.disk)
+        free = st.f_bavail * st.f_frsize
+        with open(filler, "wb") as f:
+            with contextlib.suppress(OSError):  # ENOSPC at the last pages is the point
+                os.posix_fallocate(f.fileno(), 0, max(free, 1))
+            with contextlib.suppress(OSError):
+                f.write(b"\0" * (1 << 20))
+        st = os.statvfs(m.disk)
+        m.disk_full = True
+        rec = self.fault("disk_full", inc, for_s=round(dur, 2), filled_mb=round(free / 2**20, 1))
+        rec["free_after_fill_kb"] = st.f_bavail * st.f_frsize // 1024
+
+        def free_it() -> None:
+            with contextlib.suppress(OSError):
+                filler.unlink()
+            m.disk_full = False
+            rec["t_end"] = round(self.now(), 3)
+
+        self.later(dur, "free disk", free_it)
+
+    def do_clock_step(self, inc: Inc) -> None:
+        m = inc.machine
+        assert m.clock is not None
+        step = self.rng.choice([30.0, -30.0])
+        dur = self.rng.uniform(20.0, 120.0)
+        m.clock.step(step)
+        m.clock_stepped = True
+        rec = self.fault("clock_step", inc, step_s=step, for_s=round(dur, 2))
+
+        def back() -> None:
+            m.clock.step(0.0)
+            m.clock_stepped = False
+            rec["t_end"] = round(self.now(), 3)
+
+        self.later(dur, "clock back", back)
 
     def do_late_join(self, m: Machine) -> None:
         inc = self.start(m, "late_join", fresh=True, with_config=False)
@@ -691,6 +827,15 @@ class Chaos:
                 with contextlib.suppress(Exception):
                     m.host.shape(up=base, down=base)
                 m.shaped = False
+            if m.clock is not None:
+                m.clock.step(0.0)
+                m.clock_stepped = False
+            if m.disk is not None:
+                with contextlib.suppress(OSError):
+                    (m.disk / "filler").unlink()
+                m.disk_full = False
+        for inc in self.incs:
+            inc.drop_armed = None
         # orphan checks still due run now-ish; restarts and rejoins are dropped
         for t, _, what, fn in sorted(self.heap):
             if what == "orphan check":
@@ -802,8 +947,13 @@ def impaired_intervals(c: Chaos, end: float) -> dict[str, list[tuple[float, floa
             fixed.append((a, b, why))
         iv[k] = fixed
     for f in c.faults:
-        if f["kind"] in ("stop_cont", "slow_link") and "key" in f:
+        if f["kind"] in ("stop_cont", "slow_link", "link_drop") and "key" in f:
             iv.setdefault(f["key"], []).append((f["t"], f.get("t_end", end), f["kind"]))
+        elif f["kind"] == "clock_step" and "machine" in f:
+            # the machine's clock: whichever identity runs there meanwhile is faulted
+            for key in {i.key for i in c.incs if i.key.startswith(f"m{f['machine']}g")}:
+                iv.setdefault(key, []).append((f["t"], f.get("t_end", end), f["kind"]))
+    # disk_full does not impair: a peer with a full disk must go on exchanging (its misses count as unexplained)
     return iv
 
 
@@ -1087,6 +1237,8 @@ def analyse(c: Chaos, spec: RunSpec, state: dict[str, Any]) -> dict[str, Any]:
         ],
         "infeasible_draws": c.infeasible,
         "weights": c.weights,
+        "kinds_not_drawn": getattr(c, "skipped", {}),
+        "disk_mb": getattr(c.args, "disk_mb", 0),
         "sync_events": {k: sum(len(p[k]) for p in per_inc) for k in ("synced", "sync_failed", "checkpoint_set_aside")},
         "longest_gap": max(stalls, key=lambda s: s["gap_s"]) if stalls else None,
         "p2pd_sockets_seen": len(c.sockets),
@@ -1146,6 +1298,21 @@ def scan_orphans(tag: str, folder: Path) -> list[dict[str, Any]]:
         if (needle in env.split(b"\0") or fold in cmd) and not _zombie(int(d.name)):
             out.append({"pid": int(d.name), "cmdline": cmd.replace(b"\0", b" ").decode(errors="replace")[:300]})
     return out
+
+
+def leftover_tmp(tmpdir: Path) -> list[str]:
+    """What the peers left in their TMPDIR: torch's cache aside, and of locomm's own folder of p2pd records
+    (locomm/peer/transport/leftovers.py: it stays, records of killed peers' daemons are swept by the next start)
+    only the records still in it."""
+    out = []
+    for p in tmpdir.iterdir():
+        if p.name.startswith("torchinductor_"):
+            continue
+        if p.name == f"locomm-{os.getuid()}":
+            out += sorted(f"{p.name}/{r.relative_to(p)}" for r in p.rglob("*") if r.is_file())
+        else:
+            out.append(p.name)
+    return sorted(out)
 
 
 def hivemind_sockets() -> set[str]:
@@ -1209,6 +1376,8 @@ def table(r: dict[str, Any]) -> str:
         f"state sync: {r['sync_events']}",
         f"findings: {dict(Counter(f['kind'] for f in r['findings']))}",
     ]
+    for k, why in (r.get("kinds_not_drawn") or {}).items():
+        lines.append(f"not drawn: {k} ({why})")
     return "\n".join(lines)
 
 
@@ -1231,6 +1400,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grace", type=float, default=30.0)
     ap.add_argument("--final-grace", type=float, default=60.0, help="Seconds the peers get to leave at the end")
     ap.add_argument("--keep", type=Path, help="Copy the peers' logs here")
+    ap.add_argument(
+        "--disk-mb", type=int, default=0, help="A tmpfs of this size per machine for its checkpoints (0: none)"
+    )
     ap.add_argument("--weights", nargs="*", metavar="KIND=W", help="Override fault weights (e.g. corrupt_restart=1)")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument(
@@ -1353,11 +1525,7 @@ def main(argv: list[str] | None = None) -> int:
                     os.kill(o["pid"], signal.SIGKILL)
             state["orphans"] = orphans
             state["leftover_netns"] = [n for n in netlab.list_netns() if n.startswith(lab.run_name)]
-            state["leftover_tmp"] = sorted(
-                p.name
-                for p in chaos.tmpdir.iterdir()
-                if not p.name.startswith("torchinductor_")  # torch's cache
-            )
+            state["leftover_tmp"] = leftover_tmp(chaos.tmpdir)
             state["sockets_left"] = sorted(
                 f"{kind}-{uid}.sock ({inc})"
                 for uid, inc in chaos.sockets.items()
@@ -1365,13 +1533,15 @@ def main(argv: list[str] | None = None) -> int:
                 if Path(f"/tmp/{kind}-{uid}.sock").exists()
             )
             state["new_hivemind_sockets"] = sorted(hivemind_sockets() - socks_before)
+            for mnt in chaos.mounts:
+                subprocess.run(["umount", "-l", str(mnt)], check=False)
             state["done"] = True
             result = chaos.report(state)
             if args.out:
                 _harness.write_json(args.out, result, default=str)
             print(table(result), flush=True)
         if args.keep:
-            shutil.copytree(folder, args.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("ckpt", "tmp"))
+            shutil.copytree(folder, args.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("ckpt", "tmp", "disk"))
         shutil.rmtree(folder, ignore_errors=True)
     return code
 

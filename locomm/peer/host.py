@@ -61,7 +61,7 @@ from locomm.peer.transport.records import (
 )
 from locomm.peer.transport.rpc import RpcServer, Service
 from locomm.peer.transport.shaper import Shaper
-from locomm.peer.transport.state_sync import Synced, fetch_state
+from locomm.peer.transport.state_sync import Judge, Synced, fetch_state
 from locomm.peer.transport.swarm import peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
 from locomm.protocol.defence import Screened
 from locomm.protocol.membership import Heartbeat
@@ -390,9 +390,12 @@ class Host:
         g.stats.paths.sink = self.events.write  # an "exchange" event per payload (transport/paths.py)
         return g
 
-    async def fetch_state(self, donors: list[str], expected: Mapping[str, tuple[int, ...]]) -> Synced | None:
+    async def fetch_state(
+        self, donors: list[str], expected: Mapping[str, tuple[int, ...]], judge: Judge | None = None
+    ) -> Synced | None:
         """A state of ``expected``'s layout (the driver's own model) that a minority of lying ``donors`` cannot
-        steer (``transport/state_sync.py``), or None: the driver starts from its own weights. Liars are faults."""
+        steer (``transport/state_sync.py``), or None: the driver starts from its own weights. Liars are faults;
+        ``judge`` is the driver's check of each candidate state before it counts."""
         return await fetch_state(
             self.p2p,
             run_id=self.run_id,
@@ -401,6 +404,7 @@ class Host:
             limits=self.limits,
             expected=expected,
             on_fault=self.faults.record,
+            judge=judge,
         )
 
     async def serve(self, *services: Service) -> None:

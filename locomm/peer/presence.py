@@ -40,7 +40,7 @@ from locomm import __version__
 from locomm.peer.control import ControlError, ControlServer, Handler, control_path
 from locomm.peer.host import Host
 from locomm.peer.transport.gossip import Gossip
-from locomm.peer.transport.state_sync import StateMismatch, Synced
+from locomm.peer.transport.state_sync import Judge, StateMismatch, Synced
 from locomm.protocol.membership import STATE_RETRY_S, Heartbeat, sends_nothing_more
 
 __all__ = [
@@ -181,12 +181,14 @@ class Presence:
         donors_of: Callable[[list[Heartbeat]], list[str]],
         expected: Mapping[str, tuple[int, ...]],
         load: Callable[[dict[str, Any]], None],
+        judge: Judge | None = None,
         **event: Any,
     ) -> Synced | None:
         """The swarm's state, from the peers ``donors_of`` picks in a fresh heartbeat read (ours excluded), loaded
         with ``load`` in the compute thread; up to STATE_ATTEMPTS whole downloads, STATE_RETRY_S apart. None when
-        none succeeded (a ``sync_failed`` event; the driver goes on from its own weights). ``event``: extra fields
-        of the ``synced`` / ``sync_failed`` events."""
+        none succeeded (a ``sync_failed`` event; the driver goes on from its own weights). ``judge``: the driver's
+        check of each candidate state (state_sync's rule 6). ``event``: extra fields of the ``synced`` /
+        ``sync_failed`` events."""
         host = self.host
         donors: list[str] = []
         got = None
@@ -199,7 +201,7 @@ class Presence:
                 if host.stop.is_set():
                     break
             donors = donors_of([b for b in await host.read_beats() if b.peer != host.me])
-            got = await host.fetch_state(donors, expected) if donors else None
+            got = await host.fetch_state(donors, expected, judge) if donors else None
             if got is not None or host.stop.is_set():
                 break
         if got is not None:

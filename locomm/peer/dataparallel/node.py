@@ -36,7 +36,15 @@ from locomm.peer.dataparallel.partners import Partners
 from locomm.peer.host import Host
 from locomm.peer.options import NodeOptions
 from locomm.peer.presence import JOIN_MARGIN_ROUNDS, Presence, finite
-from locomm.peer.transport.state_sync import Snapshot, StateServer, expected_layout, load_state, state_tensors
+from locomm.peer.transport.state_sync import (
+    Judge,
+    Snapshot,
+    StateServer,
+    expected_layout,
+    load_state,
+    loss_verdict,
+    state_tensors,
+)
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
 from locomm.protocol.membership import (
@@ -126,6 +134,34 @@ class Node:
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_state(tensors, self.params(), self.algo)
+
+    def _judge(self, beats: list[Heartbeat]) -> Judge:
+        """The check of a downloaded state before we train on it: its loss on our held-out batches (the spec's
+        validation windows) against the training losses the members publish and our own weights' loss
+        (``state_sync.loss_verdict``)."""
+        published = [b.loss for b in beats if b.started]
+        own: list[float] = []
+
+        async def judge(tensors: dict[str, torch.Tensor]) -> str | None:
+            if not own:
+                own.append(await self.host.compute(self.trainer.evaluate))
+            return loss_verdict(await self.host.compute(self._state_loss, tensors), published, own[0])
+
+        return judge
+
+    def _state_loss(self, tensors: dict[str, torch.Tensor]) -> float:
+        """The validation loss of ``tensors``' model weights; ours are put back after (a CPU copy meanwhile)."""
+        params = self.params()
+        keep = {k: p.detach().to("cpu", copy=True) for k, p in params.items()}
+        try:
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(tensors[f"model/{k}"])
+            return self.trainer.evaluate()
+        finally:
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(keep[k])
 
     def _resume(self) -> bool:
         if self.opts.checkpoint_dir is None:
@@ -266,7 +302,7 @@ class Node:
             self.phase = "syncing"
             expected = expected_layout(state_tensors(self.algo.phi, self.algo))  # what _snapshot serves
             await self.presence.download(
-                lambda bs: state_donors(bs, swarm_round(bs), _round), expected, self.load_state
+                lambda bs: state_donors(bs, swarm_round(bs), _round), expected, self.load_state, self._judge(beats)
             )
             if host.stop.is_set():  # stopping mid-sync: our round and weights stay what they were
                 return

@@ -32,6 +32,17 @@ sha256, and a hash over the whole manifest. :func:`fetch_state` is the joiner:
    median rule) the answer is None: the caller starts from its own weights (or
    asks again). The joiner never raises on what a donor sends.
 
+6. ``judge`` (the caller's check of what it is about to train on): every state
+   the rules would take, each donor's under the median rule, is scored on the
+   joiner's own held-out batches before it counts. A state the judge refuses
+   (:func:`loss_verdict`: its loss above ``STATE_LOSS_FACTOR`` times the loss the
+   members publish, or above the joiner's own weights' loss once the members
+   publish a lower one) is a fault against every donor that served it, and the
+   rules run again on the donors left: a majority of colluders serving a state
+   that trains worse is out-voted by the check, not by a count of identities.
+   What it cannot see: a poisoned state whose loss on those batches is as good as
+   an honest one's (a backdoor, a small push in one direction).
+
 A donor that merely disagrees (a different hash at the right round) is not a
 fault: honest gossip donors always do.
 """
@@ -46,7 +57,7 @@ import statistics
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,8 +89,36 @@ MEDIAN_DONORS = MAX_DONORS
 number of states it is taken over: a minority of them cannot move it)."""
 ROUND_FAULT_DISTANCE = 2
 """A donor whose round is further than this from the median is a fault (more than 1 away: only dropped)."""
+STATE_LOSS_FACTOR = 3.0
+"""A downloaded state whose loss on the joiner's held-out batches is above this many times the median loss the
+members publish is refused. Generous on purpose: members publish their last round's training loss on their own
+shard, lower than a held-out loss (far lower on non-IID shards); the rule is for states that do not train, not
+for a close call."""
 Layout = Mapping[str, tuple[int, ...]]
 OnFault = Callable[[str, str], None]
+Judge = Callable[[dict[str, torch.Tensor]], Awaitable[str | None]]
+"""Scores a candidate state before it counts: None to take it, else why not (a fault against its donors)."""
+
+
+def loss_verdict(loss: float, published: Sequence[float | None], own: float | None = None) -> str | None:
+    """Whether a state whose loss on our held-out batches is ``loss`` may be trained on: None, or why not.
+
+    ``published``: the losses the members' heartbeats carry (None and non-finite ones are ignored; the median
+    is taken, so a minority cannot move the reference); ``own``: the loss of the weights we hold now (fresh
+    ones for a new joiner). Refused: a non-finite loss; a loss above ``STATE_LOSS_FACTOR`` x the published
+    median; a loss above our own weights' once the members publish a lower one (the swarm has trained, and
+    this state is worse than not syncing at all). With nothing published, only the first two checks apply."""
+    if not math.isfinite(loss):
+        return f"loss on our held-out batches is {loss}"
+    ref = [x for x in published if x is not None and math.isfinite(x)]
+    if not ref:
+        return None
+    median = statistics.median(ref)
+    if loss > STATE_LOSS_FACTOR * median:
+        return f"loss on our held-out batches is {loss:.4g}, over {STATE_LOSS_FACTOR:g}x the members' {median:.4g}"
+    if own is not None and math.isfinite(own) and median < own < loss:
+        return f"loss on our held-out batches is {loss:.4g}, above our own weights' {own:.4g}"
+    return None
 
 
 class _Lied(Exception):
@@ -320,6 +359,7 @@ async def fetch_state(
     limits: Limits,
     expected: Layout,
     on_fault: OnFault | None = None,
+    judge: Judge | None = None,
 ) -> Synced | None:
     """Download a state that a minority of lying donors cannot steer (the module docstring has the rules).
 
@@ -331,6 +371,8 @@ async def fetch_state(
         limits: the deadlines of every request and transfer.
         expected: name -> shape of the joiner's own state (:func:`expected_layout` of :func:`state_tensors`).
         on_fault: called ``(donor, reason)`` once per donor that sent something wrong.
+        judge: the caller's check of a candidate state (rule 6 of the module docstring); None takes every state
+            the rules pick.
 
     Returns:
         The state, or None when no valid state could be had (start from your own weights). Never raises on
@@ -431,9 +473,24 @@ async def fetch_state(
             return None
         return got, used
 
+    async def refused(state: dict[str, torch.Tensor], donors: list[str]) -> bool:
+        """The judge's verdict on one state; a refusal is a fault against each donor that served it."""
+        if judge is None:
+            return False
+        try:
+            why = await judge(state)
+        except Exception as e:  # noqa: BLE001 - a state that breaks our forward pass is not one to train on
+            why = f"evaluation failed: {type(e).__name__}: {e}"
+        for d in donors if why else []:
+            fault(d, f"served a state whose {why}")
+        return why is not None
+
     while (top := _majority(offers)) is not None:
         holders = [o for o in offers if o.state_hash == top]
         res = await download(holders)
+        if res is not None and await refused(res[0], [o.donor for o in holders]):
+            offers = [o for o in offers if o.state_hash != top]
+            continue
         if res is not None:
             return Synced(joining, res[0], tuple(res[1]), "majority", tuple(faulted))
         if not any(o.donor in faulted for o in holders):
@@ -446,7 +503,7 @@ async def fetch_state(
     while len(states) < MEDIAN_DONORS and candidates:
         wave, candidates = candidates[: MEDIAN_DONORS - len(states)], candidates[MEDIAN_DONORS - len(states) :]
         for o, res in zip(wave, await asyncio.gather(*(download([o]) for o in wave)), strict=True):
-            if res is not None:
+            if res is not None and not await refused(res[0], [o.donor]):
                 states.append(res[0])
                 used.append(o.donor)
     if len(states) < 2:

@@ -24,7 +24,7 @@ locomm/testing/launcher.py, train for ``--minutes`` while faults drawn from ``ra
   disk, and no such fault); the fault fills that tmpfs to the last byte for 20-90 s (several checkpoint
   writes, ``--checkpoint-every 1``), then frees it: the peer must log ENOSPC and train on;
 - ``clock_step``: the machine's wall clock (CLOCK_REALTIME of its peer process, through the LD_PRELOAD shim
-  of locomm/testing/clock.py, compiled at the start; monotonic clocks are untouched, as in an NTP step) steps
+  of locomm/testing/wallclock.py, compiled at the start; monotonic clocks are untouched, as in an NTP step) steps
   by +30 or -30 s for 20-120 s, then steps back. Without a C compiler this kind is not drawn (reported).
 
 The live count (peers up and not stopped) stays in ``--floor`` .. ``--ceiling``: a fault that would take it
@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from locomm.config import RunSpec
-from locomm.testing import clock, netlab
+from locomm.testing import netlab, wallclock
 from locomm.testing.launcher import Launcher, PeerProcess
 
 import _harness
@@ -179,8 +179,8 @@ class Machine:
     shaped: bool = False
     disk: Path | None = None
     """The tmpfs holding this machine's checkpoint folders (``--disk-mb``), or None."""
-    clock: clock.Clock | None = None
-    """The wall clock of its peers (locomm/testing/clock.py), or None without the shim."""
+    clock: wallclock.Clock | None = None
+    """The wall clock of its peers (locomm/testing/wallclock.py), or None without the shim."""
     disk_full: bool = False
     clock_stepped: bool = False
     reserved: bool = False
@@ -274,7 +274,7 @@ class Chaos:
         self.mounts: list[Path] = []
         self.skipped: dict[str, str] = {}
         """Fault kinds this machine cannot inject, with why (their weight is set to 0)."""
-        self.clock_shim, why = clock.build(folder)
+        self.clock_shim, why = wallclock.build(folder)
         if self.clock_shim is None:
             self.skip("clock_step", why)
         if args.disk_mb <= 0:
@@ -345,7 +345,7 @@ class Chaos:
                 self.mounts.append(m.disk)
             if self.clock_shim is not None:
                 (self.folder / "clock").mkdir(exist_ok=True)
-                m.clock = clock.Clock(self.clock_shim, self.folder / "clock" / f"m{i}")
+                m.clock = wallclock.Clock(self.clock_shim, self.folder / "clock" / f"m{i}")
             self.machines.append(m)
 
     def ckpt_dir(self, m: Machine, gen: int) -> Path:

@@ -1,5 +1,5 @@
 /* A wall-clock step for one process, as an NTP step or a wrong RTC gives it (benchmarks/chaos.py's clock_step,
- * tests/swarm/test_clock.py).
+ * tests/swarm/test_wall_clock.py).
  *
  * LD_PRELOAD'ed into a peer, it adds an offset (seconds, a decimal number) to CLOCK_REALTIME, gettimeofday and
  * time, and leaves CLOCK_MONOTONIC alone (a real step moves the wall clock only; asyncio's timers keep
@@ -8,7 +8,7 @@
  * means no offset. libfaketime was tried first: 0.9.10 fails Python's time.sleep with EINVAL when it leaves
  * the monotonic clock alone.
  *
- *     built by locomm/testing/clock.py: cc -shared -fPIC -O2 -o clock_step.so clock_step.c -ldl
+ *     built by locomm/testing/wallclock.py: cc -shared -fPIC -O2 -o clock_step.so clock_step.c -ldl
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

@@ -26,6 +26,7 @@ class FakeHost:
         self.slept: list[float] = []
         self.presence: Presence | None = None
         self.fetches: list[list[str]] = []
+        self.judges: list[Any] = []
         self.fetch_answers: list[Any] = []
 
     async def compute(self, fn: Any, *args: Any) -> Any:
@@ -41,8 +42,9 @@ class FakeHost:
     async def read_beats(self) -> list[Heartbeat]:
         return list(self.beats.values())
 
-    async def fetch_state(self, donors: list[str], expected: Any) -> Any:
+    async def fetch_state(self, donors: list[str], expected: Any, judge: Any = None) -> Any:
         self.fetches.append(donors)
+        self.judges.append(judge)
         return self.fetch_answers.pop(0) if self.fetch_answers else None
 
     def refresh_soon(self) -> None:
@@ -153,8 +155,13 @@ async def test_a_download_that_succeeds_loads_what_it_got():
     loaded = []
     synced = SimpleNamespace(round=3, tensors={"w": 1}, rule="majority", faulted=[], donors=["a", "b"])
     host.fetch_answers = [None, synced]
-    got = await presence.download(lambda beats: ["a", "b"], {}, loaded.append, stage=2)
+
+    async def judge(tensors: Any) -> str | None:
+        return None
+
+    got = await presence.download(lambda beats: ["a", "b"], {}, loaded.append, judge, stage=2)
     assert got is synced and loaded == [{"w": 1}] and len(host.fetches) == 2
+    assert host.judges == [judge, judge]  # the driver's check goes with every attempt
     assert host.events.log[-1] == (
         "synced",
         {"donors": 2, "donor_round": 3, "tensors": 1, "rule": "majority", "faulted": 0, "stage": 2},

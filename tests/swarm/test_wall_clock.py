@@ -4,7 +4,7 @@ hivemind's DHT bootstrap asks the initial peer for its time and, strict by defau
 the two differ by over 3 s (``MAX_DHT_TIME_DISCREPANCY_SECONDS``): one peer with a wrong clock kept every
 newcomer that named it as initial peer out of the swarm (benchmarks/chaos.py's clock_step found it: joiners
 exited 2, "local time must be within 3 seconds of others"). The peer's clock is stepped by the LD_PRELOAD
-shim of locomm/testing/clock.py (CLOCK_REALTIME only, as an NTP step); skipped without a C compiler.
+shim of locomm/testing/wallclock.py (CLOCK_REALTIME only, as an NTP step); skipped without a C compiler.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from locomm.config import RunSpec
-from locomm.testing import clock
+from locomm.testing import wallclock
 from locomm.testing.launcher import Launcher, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_a_newcomer_joins_through_a_peer_whose_clock_is_30_s_behind(tmp_path: Path, launcher: Launcher) -> None:
-    shim, why = clock.build(tmp_path)
+    shim, why = wallclock.build(tmp_path)
     if shim is None:
         pytest.skip(why)
     spec = (
@@ -32,7 +32,7 @@ def test_a_newcomer_joins_through_a_peer_whose_clock_is_30_s_behind(tmp_path: Pa
     )
     cfg = tmp_path / "run.toml"
     spec.save(cfg)
-    behind = clock.Clock(shim, tmp_path / "a.clock")
+    behind = wallclock.Clock(shim, tmp_path / "a.clock")
     behind.step(-30.0)
     a = launcher.start("a", "--shard", "0/2", config=cfg, env=behind.env())
     boot = a.address()

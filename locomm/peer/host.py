@@ -390,6 +390,11 @@ class Host:
         g.stats.paths.sink = self.events.write  # an "exchange" event per payload (transport/paths.py)
         return g
 
+    @property
+    def trusted(self) -> frozenset[str]:
+        """The peer ids of the user's ``--initial-peers``: preferred as state donors (``state_donors(prefer=)``)."""
+        return frozenset(peer_ids_of(self.opts.initial_peers))
+
     async def fetch_state(
         self, donors: list[str], expected: Mapping[str, tuple[int, ...]], judge: Judge | None = None
     ) -> Synced | None:

@@ -25,7 +25,7 @@ import bisect
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -334,12 +334,20 @@ it goes on from its own weights."""
 
 
 def state_donors(
-    beats: Iterable[Heartbeat], top: int, progress: Callable[[Heartbeat], int], *, slack: int = 1, n: int = DONORS
+    beats: Iterable[Heartbeat],
+    top: int,
+    progress: Callable[[Heartbeat], int],
+    *,
+    slack: int = 1,
+    n: int = DONORS,
+    prefer: Collection[str] = (),
 ) -> list[str]:
     """Whom a joiner asks for state, for every driver: live admitted peers that have started (not leaving, not
     paused, not an island follower, which serves no fresh state), none further along than ``slack`` past ``top``
-    (the swarm's robust top: one claiming round 10^9 is not asked), nearest to ``top`` first, further along
-    first on a tie. ``progress``: a heartbeat's round (data-parallel) or data clock (a pipeline stage)."""
+    (the swarm's robust top: one claiming round 10^9 is not asked); the peers in ``prefer`` first (the user's
+    ``--initial-peers``: the identities the user chose to trust, which minted identities claiming the top round
+    cannot push out of the list), then nearest to ``top``, further along first on a tie. ``progress``: a
+    heartbeat's round (data-parallel) or data clock (a pipeline stage)."""
     near = [
         b
         for b in beats
@@ -349,7 +357,8 @@ def state_donors(
         and not (b.island and not b.island_rep)
         and progress(b) <= top + slack
     ]
-    return [b.peer for b in sorted(near, key=lambda b: (abs(progress(b) - top), -progress(b)))[:n]]
+    order = sorted(near, key=lambda b: (b.peer not in prefer, abs(progress(b) - top), -progress(b)))
+    return [b.peer for b in order[:n]]
 
 
 def live(beats: Iterable[Heartbeat], now: float, fresh_s: float, *, stage: int | None = None) -> list[Heartbeat]:

@@ -137,6 +137,10 @@ def test_one_donor_rule_for_every_driver():
     assert got == ["h2", "h0", "h1", "rep", "h3"]  # at the top first, then nearest to it
     assert state_donors(beats, top, lambda b: b.round, n=10)[-2:] == ["h4", "h5"]
     assert state_donors(beats, 10, lambda b: b.round, slack=0) == ["h0", "h1", "rep", "h3", "h4"]  # 11 is past
+    # the user's --initial-peers first, when they qualify: minted identities at the top round cannot crowd them
+    # out of the list; one that does not qualify (a liar far ahead, a leaver) is not asked for being named
+    prefer = {"h5", "liar", "gone"}
+    assert state_donors(beats, top, lambda b: b.round, prefer=prefer) == ["h5", "h2", "h0", "h1", "rep"]
 
 
 def test_a_heartbeat_from_the_future_does_not_keep_a_peer_fresh():

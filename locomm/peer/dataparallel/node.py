@@ -302,7 +302,10 @@ class Node:
             self.phase = "syncing"
             expected = expected_layout(state_tensors(self.algo.phi, self.algo))  # what _snapshot serves
             await self.presence.download(
-                lambda bs: state_donors(bs, swarm_round(bs), _round), expected, self.load_state, self._judge(beats)
+                lambda bs: state_donors(bs, swarm_round(bs), _round, prefer=host.trusted),
+                expected,
+                self.load_state,
+                self._judge(beats),
             )
             if host.stop.is_set():  # stopping mid-sync: our round and weights stay what they were
                 return

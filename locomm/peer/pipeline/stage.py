@@ -304,7 +304,8 @@ class Stage:
 
         def donors(beats: list[Heartbeat]) -> list[str]:
             sib = self._siblings(beats)
-            return state_donors(sib, robust_top((_clock(b) for b in sib), slack=H), _clock, slack=H)
+            top = robust_top((_clock(b) for b in sib), slack=H)
+            return state_donors(sib, top, _clock, slack=H, prefer=host.trusted)
 
         expected = expected_layout(state_tensors(self.params(), self.algo))
         got = await self.presence.download(donors, expected, self._load_state, stage=self.stage)

@@ -12,7 +12,7 @@ exchange applied one round late. Grids:
     NoLoCo      alpha {0.3, 0.5, 0.7, 1.0, 1.3, 1.6} x beta {0, 0.5, 0.9}      first 12-point grids, lr 0.3-1.0,
                                                                             sat on lr = 1.0; gamma = alpha)
     GASLoC      eta {0.5, 0.7, 1.0} x gamma {0, 0.3, 0.6, 0.9}         (a = 0.5, matching)
-    SparseLoCo  lr {1, 3, 9} x density {0.02, 0.03} x EF decay {0.9, 0.95}   (paper's aggregation)
+    SparseLoCo  lr {1, 3, 9} x density {0.02, 0.03, 0.05} x EF decay {0.8, 0.9, 0.95}   (paper's aggregation)
 
 Variants, each tuned on its base algorithm's grid with the same budget:
 
@@ -21,6 +21,8 @@ Variants, each tuned on its base algorithm's grid with the same budget:
     gasloc_y            GASLoC with its momentum on the unmixed y (the published formula)
     sparseloco_senders  SparseLoCo with the public code's rule: per-index mean over the senders, each
                         sender's update clipped to the median norm of the round's senders
+    sparseloco_tiles    SparseLoCo (the paper's mean) with the codec of the paper and its public code: top-k per
+                        64x64 tile, values in bins of standard deviations (locomm/compression/topk_tiles.py)
 
 Setups (``--setup``): the data sharding and the length of the run.
 
@@ -75,7 +77,10 @@ VARIANTS = {  # name -> (outer algorithm, fixed changes, overlap); tuned on the 
     "sparseloco_senders": ("sparseloco", {"sparseloco_aggregation": "senders", "sparseloco_clip": "median"}, True),
     "diloco_blocking": ("diloco", {}, False),
     "noloco_blocking": ("noloco", {}, False),
+    "sparseloco_tiles": ("sparseloco", {}, True),
 }
+SPARSE_CODECS = {"sparseloco_tiles": "topktiles"}
+"""Variants that swap SparseLoCo's codec for one the run spec does not offer (``Simulator(sparse_codec=)``)."""
 
 
 LRS = (0.3, 0.5, 0.7, 1.0, 1.3, 1.6)
@@ -103,7 +108,7 @@ def grid(algo: str) -> list[dict[str, float]]:
     elif algo == "sparseloco":
         pts = [
             dict(sparse_lr=a, sparse_density=d, sparse_ef_beta=b)
-            for a, d, b in itertools.product((1.0, 3.0, 9.0), (0.02, 0.03), (0.9, 0.95))
+            for a, d, b in itertools.product((1.0, 3.0, 9.0), (0.02, 0.03, 0.05), (0.8, 0.9, 0.95))
         ]
         default = dict(sparse_lr=1.0, sparse_density=0.02, sparse_ef_beta=0.95)
     else:
@@ -157,7 +162,14 @@ def run_point(
         spec = base_spec(seed, setup).replace("outer", algo=outer_algo, **fixed, **kw)
     rounds = spec.train.steps // spec.outer.inner_steps
     t0 = time.perf_counter()
-    sim = Simulator(spec, workers, splits=splits, eval_every=eval_every or rounds, overlap=overlap)
+    sim = Simulator(
+        spec,
+        workers,
+        splits=splits,
+        eval_every=eval_every or rounds,
+        overlap=overlap,
+        sparse_codec=SPARSE_CODECS.get(algo),
+    )
     common = {
         "algo": algo,
         "params": kw,
@@ -247,6 +259,7 @@ ENTRIES = {  # row of the table -> (algorithm, which of its sweep points may be 
     "GASLoC, momentum on y (gamma > 0)": ("gasloc_y", lambda p: p["gasloc_gamma"] > 0),
     "SparseLoCo (paper's rule)": ("sparseloco", None),
     "SparseLoCo (public code's rule)": ("sparseloco_senders", None),
+    "SparseLoCo, 64x64 tiles and sigma bins (the paper's rule)": ("sparseloco_tiles", None),
 }
 
 

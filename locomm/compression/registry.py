@@ -15,6 +15,7 @@ from locomm.compression.stack import CodecStack
 _REGISTRY: dict[str, str] = {
     "lossless": "locomm.compression.lossless:LosslessCodec",
     "topk2bit": "locomm.compression.topk2bit:TopK2BitCodec",
+    "topktiles": "locomm.compression.topk_tiles:TopKTilesCodec",
     "scape": "locomm.compression.scape:ScapeCodec",
     "blockwise8": "locomm.compression.blockwise8:Blockwise8Codec",
     "fp16": "locomm.compression.cast:Fp16Codec",

@@ -157,7 +157,7 @@ class TopK2BitCodec(PartsCodec):
         padded = torch.zeros(n_chunks * CHUNK, dtype=torch.float32)
         padded[:n] = e
         tiles = padded.view(n_chunks, CHUNK)  # (C, 64)
-        idx = _canonical_topk(tiles.abs(), k)  # (C, k)
+        idx = canonical_topk(tiles.abs(), k)  # (C, k)
         sel = tiles.gather(1, idx)
         vals = sel.abs()
         lo, hi = _two_levels(vals.reshape(-1))
@@ -234,7 +234,7 @@ class TopK2BitCodec(PartsCodec):
         return idx, values, shape
 
 
-def _canonical_topk(a: torch.Tensor, k: int) -> torch.Tensor:
+def canonical_topk(a: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (C, k), ascending, of the k largest of each row of ``a`` (>= 0 or NaN): ties to the
     lower index, every NaN above infinity. Rows without a tie at the k-th place take torch's
     float top-k; the others rank |e| by its float bits made unique by the index."""

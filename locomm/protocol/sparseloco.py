@@ -24,6 +24,7 @@ Equations from secondary summaries (docs/algorithms.md §4).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,12 +41,21 @@ class SparseLoCo(OuterAlgorithm):
     payload_roles = {"sparse": TensorRole.OUTER_GRADIENT.value}
 
     def __init__(
-        self, cfg: OuterConfig, params: Params, me: int, codec_factory: Callable[[], Any] | None = None
+        self,
+        cfg: OuterConfig,
+        params: Params,
+        me: int,
+        codec_factory: Callable[[], Any] | None = None,
+        codec: str | None = None,
     ) -> None:
         super().__init__(cfg, params, me)
         # The one codec decision: topk2bit from spec.outer (compression.outer_gradient does not apply to a
         # payload the algorithm encodes itself, so the default compression section stands in for the run's).
+        # ``codec`` names another sparse codec with the same density and decay (``topktiles``: the simulator's
+        # variant, measured before the run spec offers it).
         choice = codec_choice(TensorRole.OUTER_GRADIENT, CompressionConfig(), outer=cfg)
+        if codec is not None:
+            choice = dataclasses.replace(choice, stack=codec)
         self.payload_encoded = {"sparse": choice.stack}  # receivers decode with a stateless instance of it
         make = codec_factory or choice.build
         self.codecs = {k: make() for k in self.phi}  # one error-feedback buffer per parameter

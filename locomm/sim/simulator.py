@@ -42,6 +42,7 @@ from locomm.data import BatchSampler, TokenSplits, load_corpus
 from locomm.protocol import DDP, Payload, build_outer
 from locomm.protocol.attacks import ATTACKS, corrupt
 from locomm.protocol.rounds import Planned, Rounds
+from locomm.protocol.sparseloco import SparseLoCo
 from locomm.protocol.timing import Limits
 from locomm.sim.network import NetworkModel, RoundRecord
 from locomm.sim.timeline import Schedule, Timeline, replay_schedule
@@ -106,8 +107,11 @@ class Simulator:
         overlap: bool = True,
         network: NetworkModel | None = None,
         attackers: Mapping[int, str] | None = None,
+        sparse_codec: str | None = None,
     ) -> None:
         algo = spec.outer.algo
+        if sparse_codec is not None and algo != "sparseloco":
+            raise ConfigError(f"sparse_codec: only SparseLoCo encodes its own payload, not {algo}")
         if algo == "none":
             raise ConfigError(
                 "outer.algo: 'none' is single-node training; pick ddp, diloco, noloco, gasloc or sparseloco to simulate"
@@ -158,7 +162,10 @@ class Simulator:
             self.trainers = [
                 Trainer(spec, splits=self.splits, worker_id=w, num_workers=workers) for w in range(workers)
             ]
-            self.algos = [build_outer(spec.outer, self._params(w), w) for w in range(workers)]
+            if sparse_codec is None:
+                self.algos = [build_outer(spec.outer, self._params(w), w) for w in range(workers)]
+            else:  # a sparse codec the run spec does not offer (benchmarks/tune.py's sparseloco_tiles)
+                self.algos = [SparseLoCo(spec.outer, self._params(w), w, codec=sparse_codec) for w in range(workers)]
             H, delay = spec.outer.inner_steps, spec.outer.apply_delay_steps
             self.rounds = [
                 Rounds(a, H, overlap=self.overlap, apply_delay_steps=delay, defence=spec.defence) for a in self.algos

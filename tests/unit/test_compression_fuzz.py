@@ -27,7 +27,8 @@ def _payloads() -> list[tuple[str, Codec, bytes]]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 300, generator=g) * 0.02
     out: list[tuple[str, Codec, bytes]] = []
-    for spec in ("lossless", "topk2bit", "blockwise8", "fp16", "bf16", "bf16+lossless", "blockwise8+lossless"):
+    specs = ("lossless", "topk2bit", "topktiles", "blockwise8", "fp16", "bf16", "bf16+lossless", "blockwise8+lossless")
+    for spec in specs:
         c = get_codec(spec)
         out.append((spec, c, c.encode(x)))
     lossless = get_codec("lossless", chunk_elems=128)

@@ -132,6 +132,7 @@ CASES = {
     ),
     "scape": lambda: (get_codec("scape"), get_codec("scape").encode(torch.randn(N)), {}),
     "topk2bit": lambda: (get_codec("topk2bit"), get_codec("topk2bit").encode(torch.randn(N)), {}),
+    "topktiles": lambda: (get_codec("topktiles"), get_codec("topktiles").encode(torch.randn(N)), {}),
 }
 
 

@@ -43,3 +43,35 @@ def test_a_newcomer_joins_through_a_peer_whose_clock_is_30_s_behind(tmp_path: Pa
     assert "the initial peer's clock differs from ours by over 3 s" in err, err[-2000:]
     # b trains on: its own rounds go on whatever a's records look like to it
     wait_until(lambda: b.round() >= 2, 120, "b trains 2 rounds", [a, b])
+
+
+def test_a_newcomer_without_config_joins_through_a_peer_whose_clock_is_30_s_ahead(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """A writer 30 s ahead stamps its records 30 s later than the reader expects: with short lifetimes (a
+    20 s spec record, 12 s heartbeats, as benchmarks/chaos.py runs) every record of it was refused (past
+    now + 2 x TTL), so a newcomer without --config that named it found no spec and exited 2. The validator
+    now allows the writer's clock MAX_CLOCK_SKEW_S ahead."""
+    shim, why = wallclock.build(tmp_path)
+    if shim is None:
+        pytest.skip(why)
+    spec = (
+        RunSpec.preset("nano")
+        .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
+        .replace("outer", algo="noloco", inner_steps=10)
+        .replace("train", steps=400, eval_batches=2, eval_interval=0)
+        .replace("network", heartbeat_interval_s=3.0, heartbeat_ttl_s=12.0)
+    )
+    cfg = tmp_path / "run.toml"
+    spec.save(cfg)
+    ahead = wallclock.Clock(shim, tmp_path / "a.clock")
+    ahead.step(30.0)
+    short = {"LOCOMM_SPEC_TTL_S": "20"}
+    wait = ("--wait-for-peers", "2")  # a trains only once b is there
+    a = launcher.start("a", "--shard", "0/2", *wait, config=cfg, env={**ahead.env(), **short})
+    boot = a.address()
+    b = launcher.start("b", "--shard", "1/2", *wait, initial_peers=boot, env=short)
+    wait_until(lambda: b.events("started"), 120, "b is up", [a, b])
+    assert b.poll() is None, b.tail()
+    # a's heartbeats are stored and read: b counts it a member and exchanges with it
+    wait_until(lambda: any(e.get("members", 0) >= 2 for e in b.events("round")), 120, "b sees a", [a, b])

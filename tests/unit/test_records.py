@@ -30,6 +30,7 @@ from locomm.peer.transport.records import (
     peers_key,
     spec_key,
 )
+from locomm.protocol.membership import MAX_CLOCK_SKEW_S
 
 NOW = 1_000_000.0
 RUN = "0123456789abcdef"
@@ -125,13 +126,16 @@ def test_expirations_are_bounded_by_twice_the_ttl(identities):
     def ok(value: dict, expiration: float) -> bool:
         return b.validate(_signed(a, _record(peers_key(RUN), a.peer_id, value, expiration)))
 
-    assert ok(_beat(), NOW + 2 * TTL) and not ok(_beat(), NOW + 2 * TTL + 1)
+    # a writer's clock up to MAX_CLOCK_SKEW_S ahead of the reader's (an NTP step) is a clock, past it a lie
+    skew = MAX_CLOCK_SKEW_S
+    assert ok(_beat(), NOW + 2 * TTL + skew) and not ok(_beat(), NOW + 2 * TTL + skew + 1)
     assert not ok(_beat(), NOW + 10**9)
     slow = heartbeat_ttl(100.0, TTL)  # (MEMBER_LAG_ROUNDS + 2) rounds of 100 s
-    assert slow == 500.0 and ok(_beat(round_s=100.0), NOW + 2 * slow)
+    assert slow == 500.0 and ok(_beat(round_s=100.0), NOW + 2 * slow + skew)
     assert heartbeat_ttl(1e12, TTL) == heartbeat_ttl(MAX_ROUND_S, TTL)  # a huge round time is capped
     assert not ok(_beat(round_s=1e12), NOW + 10**9)
-    spec = _record(spec_key(a.peer_id), None, _spec(), NOW + 2 * SPEC_TTL_S + 1)
+    assert b.validate(_signed(a, _record(spec_key(a.peer_id), None, _spec(), NOW + 2 * SPEC_TTL_S + skew)))
+    spec = _record(spec_key(a.peer_id), None, _spec(), NOW + 2 * SPEC_TTL_S + skew + 1)
     assert not b.validate(_signed(a, spec))
 
 

@@ -4,7 +4,8 @@ N peers (each in its own netlab namespace, one shaped veth pair each: locomm/tes
 locomm/testing/launcher.py, train for ``--minutes`` while faults drawn from ``random.Random(--seed)`` hit them:
 
 - ``kill_restart``: SIGKILL of the peer process alone (its p2pd must die by its parent-death signal; we look
-  8 s later; a peer still starting or syncing may be the target too), then a restart from its
+  8 s later; a peer still starting or syncing may be the target too, ``kill_starting``, while the live
+  count is at the floor or above), then a restart from its
   ``--checkpoint-dir`` (``--checkpoint-every 1``) with the same ``--identity`` after a random delay;
 - ``corrupt_restart``: the same, with the checkpoint file truncated or overwritten with garbage before the
   restart (the peer must set it aside, a ``checkpoint_set_aside`` event, and sync from the swarm);
@@ -509,11 +510,14 @@ class Chaos:
         if removable:
             for k in ("kill_restart", "corrupt_restart", "stop_cont", "leave_exchanging", "leave_random"):
                 feasible[k] = removable
-        # a peer still starting (building, syncing) for 3 s is not counted by the floor: it may die too
+        # a peer still starting (building, syncing) for 3 s is not counted by the floor: it may die too, while the
+        # swarm is at its floor or above (below it, the starting peers are what restores the floor: killing them
+        # then kept a 5.7M-parameter swarm, whose peers take 20-40 s to start on 2 cores, below its floor for
+        # most of a run, with kill_starting 30% of the faults drawn against a weight of 1-4%)
         starting = [
             i for i in self.incs if i.alive and i.t_up is None and i.cause is None and self.now() - i.t_start > 3
         ]
-        if starting:
+        if starting and len(self.live()) >= self.args.floor:
             feasible["kill_starting"] = starting
         shapeable = [i for i in self.live() if not i.machine.shaped and i.drop_armed is None]
         if shapeable:

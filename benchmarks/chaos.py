@@ -602,6 +602,10 @@ class Chaos:
         rec = self.fault("slow_link", inc, rate=rate, for_s=round(dur, 2))
         m.host.shape(up=rate, down=rate)
         m.shaped = True
+        self.restore_link_later(m, dur, rec)
+
+    def restore_link_later(self, m: Machine, dur: float, rec: dict[str, Any]) -> None:
+        """The machine's own rate back in ``dur`` s (the fault record gets its end)."""
 
         def restore() -> None:
             base = None if m.rate == "none" else m.rate
@@ -632,15 +636,7 @@ class Chaos:
         )
         with contextlib.suppress(Exception):
             m.host.shape(up="1mbit", down="1mbit")
-
-        def restore() -> None:
-            base = None if m.rate == "none" else m.rate
-            with contextlib.suppress(Exception):
-                m.host.shape(up=base, down=base)
-            m.shaped = False
-            rec["t_end"] = round(self.now(), 3)
-
-        self.later(dur, "restore link", restore)
+        self.restore_link_later(m, dur, rec)
 
     def do_disk_full(self, inc: Inc) -> None:
         m = inc.machine

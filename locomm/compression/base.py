@@ -349,3 +349,42 @@ def check_part(
     if dtypes is not None and p.dtype not in dtypes:
         raise CodecError(f"part {i} has dtype {p.dtype}, expected one of {list(dtypes)}")
     return p
+
+
+class SparsePartsCodec(PartsCodec):
+    """A sparse :class:`PartsCodec` (``topk2bit``, ``topktiles``): its payload is (flat indices, values) of a
+    dense tensor, which :meth:`_parse` reads and checks; decoding builds the tensor or returns the pairs."""
+
+    @abstractmethod
+    def _parse(
+        self, meta: memoryview, parts: list[torch.Tensor], max_numel: int | None = None
+    ) -> tuple[torch.dtype, tuple[int, ...], torch.Tensor, torch.Tensor]:
+        """(dtype, shape, flat indices int64, fp32 values); raises :class:`CodecError` before allocating
+        anything a payload claims past ``max_numel``."""
+
+    def decode_parts(
+        self,
+        meta: memoryview,
+        parts: list[torch.Tensor],
+        device: str | torch.device | None = None,
+        max_numel: int | None = None,
+        **context: Any,
+    ) -> torch.Tensor:
+        """The dense tensor, built on ``device`` (default CPU)."""
+        dtype, shape, idx, values = self._parse(meta, parts, max_numel)
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        out = torch.zeros(numel_of(shape), dtype=torch.float32, device=dev)
+        out.index_put_((idx.to(dev),), values.to(dev), accumulate=False)
+        return out.reshape(shape).to(dtype)
+
+    def decode_sparse(
+        self, data: bytes | bytearray | memoryview, max_numel: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """(flat indices int64, fp32 values, shape) of a standalone payload of at most ``max_numel`` elements."""
+        r = Reader(unseal(self.magic, data))
+        meta = r.blob()
+        if r.u8() != 0:
+            raise CodecError(f"{self.name} payload has unexpected float parts")
+        r.expect_end()
+        _, shape, idx, values = self._parse(meta, [], max_numel)
+        return idx, values, shape

@@ -43,8 +43,8 @@ from locomm.compression.base import (
     MAX_NDIM,
     MAX_SPARSE_NUMEL,
     CodecError,
-    PartsCodec,
     Reader,
+    SparsePartsCodec,
     Writer,
     code_dtype,
     dtype_code,
@@ -58,7 +58,7 @@ _FRAME_BYTES = 5 + 8 + 1 + 1 + 1 + 8 + 1 + 4
 meta blob's length, dtype, ndim, k, the two levels, the part count, the CRC."""
 
 
-class TopK2BitCodec(PartsCodec):
+class TopK2BitCodec(SparsePartsCodec):
     """Chunked top-k + 2-bit quantization with error feedback (stateful sender).
 
     Args:
@@ -202,36 +202,6 @@ class TopK2BitCodec(PartsCodec):
         values = _levels(packed, lo, hi)
         keep = idx.reshape(-1) < n  # entries in the zero padding of the last chunk
         return dtype, shape, idx.reshape(-1)[keep], values.reshape(-1)[keep]
-
-    def decode_parts(
-        self,
-        meta: memoryview,
-        parts: list[torch.Tensor],
-        device: str | torch.device | None = None,
-        max_numel: int | None = None,
-        **context: Any,
-    ) -> torch.Tensor:
-        """The dense tensor, built on ``device`` (default CPU)."""
-        dtype, shape, idx, values = self._parse(meta, parts, max_numel)
-        dev = torch.device("cpu") if device is None else torch.device(device)
-        out = torch.zeros(numel_of(shape), dtype=torch.float32, device=dev)
-        out.index_put_((idx.to(dev),), values.to(dev), accumulate=False)
-        return out.reshape(shape).to(dtype)
-
-    def decode_sparse(
-        self, data: bytes | bytearray | memoryview, max_numel: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-        """(flat indices int64, fp32 values, shape) of a standalone ``topk2bit`` payload of at most
-        ``max_numel`` elements."""
-        from locomm.compression.base import unseal
-
-        r = Reader(unseal(self.magic, data))
-        meta = r.blob()
-        if r.u8() != 0:
-            raise CodecError("topk2bit payload has unexpected float parts")
-        r.expect_end()
-        _, shape, idx, values = self._parse(meta, [], max_numel)
-        return idx, values, shape
 
 
 def canonical_topk(a: torch.Tensor, k: int) -> torch.Tensor:

@@ -40,12 +40,11 @@ from locomm.compression.base import (
     MAX_NDIM,
     MAX_SPARSE_NUMEL,
     CodecError,
-    PartsCodec,
     Reader,
+    SparsePartsCodec,
     Writer,
     code_dtype,
     dtype_code,
-    numel_of,
 )
 from locomm.compression.topk2bit import canonical_topk
 
@@ -164,7 +163,7 @@ def _unpack_values(data: np.ndarray, count: int, bins: int) -> np.ndarray:
     return np.stack([(data >> (j * bits)) & mask for j in range(per)], axis=1).reshape(-1)[:count]
 
 
-class TopKTilesCodec(PartsCodec):
+class TopKTilesCodec(SparsePartsCodec):
     """Top-k per 64 x 64 tile with sigma-bin values and error feedback (stateful sender).
 
     Args:
@@ -281,32 +280,3 @@ class TopKTilesCodec(PartsCodec):
         flat = _flat_positions(tile_idx, rows, cols, h, w).reshape(-1)
         values = table[torch.from_numpy(q.astype(np.int64))] + shift
         return dtype, shape, flat, values
-
-    def decode_parts(
-        self,
-        meta: memoryview,
-        parts: list[torch.Tensor],
-        device: str | torch.device | None = None,
-        max_numel: int | None = None,
-        **context: Any,
-    ) -> torch.Tensor:
-        """The dense tensor, built on ``device`` (default CPU)."""
-        dtype, shape, idx, values = self._parse(meta, parts, max_numel)
-        dev = torch.device("cpu") if device is None else torch.device(device)
-        out = torch.zeros(numel_of(shape), dtype=torch.float32, device=dev)
-        out.index_put_((idx.to(dev),), values.to(dev), accumulate=False)
-        return out.reshape(shape).to(dtype)
-
-    def decode_sparse(
-        self, data: bytes | bytearray | memoryview, max_numel: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-        """(flat indices int64, fp32 values, shape) of a standalone payload of at most ``max_numel`` elements."""
-        from locomm.compression.base import unseal
-
-        r = Reader(unseal(self.magic, data))
-        meta = r.blob()
-        if r.u8() != 0:
-            raise CodecError("topktiles payload has unexpected float parts")
-        r.expect_end()
-        _, shape, idx, values = self._parse(meta, [], max_numel)
-        return idx, values, shape

@@ -20,18 +20,23 @@ from locomm.testing.launcher import Launcher, wait_until
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_a_newcomer_joins_through_a_peer_whose_clock_is_30_s_behind(tmp_path: Path, launcher: Launcher) -> None:
+def _setup(tmp_path: Path, spec: RunSpec) -> tuple[Path, Path]:
+    """The clock shim (or the test is skipped) and a small nano run spec's file."""
     shim, why = wallclock.build(tmp_path)
     if shim is None:
         pytest.skip(why)
     spec = (
-        RunSpec.preset("nano")
-        .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
+        spec.replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
         .replace("outer", algo="noloco", inner_steps=10)
         .replace("train", steps=400, eval_batches=2, eval_interval=0)
     )
     cfg = tmp_path / "run.toml"
     spec.save(cfg)
+    return shim, cfg
+
+
+def test_a_newcomer_joins_through_a_peer_whose_clock_is_30_s_behind(tmp_path: Path, launcher: Launcher) -> None:
+    shim, cfg = _setup(tmp_path, RunSpec.preset("nano"))
     behind = wallclock.Clock(shim, tmp_path / "a.clock")
     behind.step(-30.0)
     a = launcher.start("a", "--shard", "0/2", config=cfg, env=behind.env())
@@ -52,18 +57,8 @@ def test_a_newcomer_without_config_joins_through_a_peer_whose_clock_is_30_s_ahea
     20 s spec record, 12 s heartbeats, as benchmarks/chaos.py runs) every record of it was refused (past
     now + 2 x TTL), so a newcomer without --config that named it found no spec and exited 2. The validator
     now allows the writer's clock MAX_CLOCK_SKEW_S ahead."""
-    shim, why = wallclock.build(tmp_path)
-    if shim is None:
-        pytest.skip(why)
-    spec = (
-        RunSpec.preset("nano")
-        .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
-        .replace("outer", algo="noloco", inner_steps=10)
-        .replace("train", steps=400, eval_batches=2, eval_interval=0)
-        .replace("network", heartbeat_interval_s=3.0, heartbeat_ttl_s=12.0)
-    )
-    cfg = tmp_path / "run.toml"
-    spec.save(cfg)
+    short_beats = RunSpec.preset("nano").replace("network", heartbeat_interval_s=3.0, heartbeat_ttl_s=12.0)
+    shim, cfg = _setup(tmp_path, short_beats)
     ahead = wallclock.Clock(shim, tmp_path / "a.clock")
     ahead.step(30.0)
     short = {"LOCOMM_SPEC_TTL_S": "20"}

@@ -285,6 +285,10 @@ class Node:
         one peer claiming round 10^9 cannot send us there), and download the state unless we resumed our own.
         ``resumed=None`` (back from a pause): our own state is current unless the swarm moved past our round."""
         host = self.host
+        # The first reads after the DHT bootstrap can miss part of the swarm: read until two agree before taking
+        # its round (a peer restarted from an old checkpoint that sees nobody further along trains on at its own
+        # round; in a chaos run one trained at round 4 while the swarm was at 18, every push STALE_ROUND).
+        await host.settle_view()
         beats = [b for b in await host.read_beats() if b.peer != host.me]
         top = swarm_round(beats)
         if resumed is None:

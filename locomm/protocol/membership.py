@@ -275,11 +275,13 @@ def members_for_round(
     """The members of round r, from a snapshot every peer reads alike.
 
     A peer is a member of r when it was admitted by r (its :func:`admission_rounds` round ``<= r``) and either
-    its last published round is at least ``r - MEMBER_LAG_ROUNDS`` or its heartbeat is younger than
+    its last published round is within ``MEMBER_LAG_ROUNDS`` of r or its heartbeat is younger than
     ``fresh_s`` at ``now`` and not from further than ``MAX_CLOCK_SKEW_S`` in its future (a live peer that is
-    merely slow stays in). A peer that died drops out when both
-    fail: its frozen round counter is content every peer reads alike, so where rounds are longer than the
-    heartbeat TTL (any real run) it drops out for everyone at the same round, whenever each one reads.
+    merely slow, or fast, stays in). A round counter far ahead of r keeps nobody in by itself: one stored
+    heartbeat claiming round 10^6 was a member of every round for its record's whole life (hours). A peer
+    that died drops out when both fail: its frozen round counter is content every peer reads alike, so where
+    rounds are longer than the heartbeat TTL (any real run) it drops out for everyone at the same round,
+    whenever each one reads.
     A peer that left (``finished``, its final heartbeat) or was paused is a member of no round from its last
     published one on: it exchanged up to the round before. ``me`` is always included (a peer not yet admitted
     trains alone, and nobody expects it). An island's members other than its representative take part in no
@@ -293,7 +295,10 @@ def members_for_round(
         if admitted.get(h.peer, NOT_ADMITTED) <= round_idx
         and not ((h.finished or h.paused) and h.round <= round_idx)
         and not (h.island and not h.island_rep)
-        and (h.round >= round_idx - MEMBER_LAG_ROUNDS or -MAX_CLOCK_SKEW_S <= now - h.time < fresh_s)
+        and (
+            round_idx - MEMBER_LAG_ROUNDS <= h.round <= round_idx + MEMBER_LAG_ROUNDS
+            or -MAX_CLOCK_SKEW_S <= now - h.time < fresh_s
+        )
     }
     members.add(me)
     return sorted(members)

@@ -155,3 +155,18 @@ def test_a_heartbeat_from_the_future_does_not_keep_a_peer_fresh():
         Heartbeat(peer="QmStale", round=10, time=now - 100.0),
     ]
     assert members_for_round(beats, r, "QmMe", fresh_s=60.0, now=now) == ["QmMe", "QmSkewed"]
+
+
+def test_a_round_counter_far_ahead_keeps_no_dead_or_minted_peer_in():
+    """One stored heartbeat claiming a round far ahead was a member of every round while its record lived (up to
+    2 x 5 rounds of its declared round time): the counter alone counts within MEMBER_LAG_ROUNDS either way; past
+    that only a fresh heartbeat keeps a peer in (a live peer ahead of us is fresh)."""
+    from locomm.protocol.membership import MEMBER_LAG_ROUNDS
+
+    now, r = 1000.0, 10
+    beats = [
+        Heartbeat(peer="QmGhost", round=10**6, time=now - 100.0),  # one store, long ago
+        Heartbeat(peer="QmFastLive", round=r + MEMBER_LAG_ROUNDS + 5, time=now - 1.0),
+        Heartbeat(peer="QmAheadStale", round=r + MEMBER_LAG_ROUNDS, time=now - 100.0),  # within the lag: in
+    ]
+    assert members_for_round(beats, r, "QmMe", fresh_s=30.0, now=now) == ["QmAheadStale", "QmFastLive", "QmMe"]

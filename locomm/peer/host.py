@@ -68,8 +68,11 @@ from locomm.protocol.membership import Heartbeat
 from locomm.protocol.timing import Limits
 
 log = logging.getLogger(__name__)
-BOOT_ATTEMPTS = 3
-"""Tries at reaching the swarm through --initial-peers (2 and 4 s apart) before a peer gives up."""
+BOOT_ATTEMPTS = 5
+"""Tries at reaching the swarm through --initial-peers (2, 4, 8 and 16 s apart: about 40 s) before a peer gives
+up with a one-line error. Three (6 s) let a restart whose one initial peer was briefly out of reach (its link
+at 1 Mbit/s, its machine frozen: benchmarks/chaos.py) exit 2 where waiting half a minute more would have
+joined."""
 RELAY_STARTS = 4
 """p2pd starts a ``--reachability public`` peer tries for its full relay service (each wins about 3 in 4)."""
 

@@ -48,7 +48,7 @@ from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.options import NodeOptions
 from locomm.peer.spec_sync import settle_spec
 from locomm.peer.trackers import Trackers
-from locomm.peer.transport import leftovers, relay_check
+from locomm.peer.transport import leftovers, peer_cache, relay_check
 from locomm.peer.transport.gossip import Faults, Gossip
 from locomm.peer.transport.records import (
     SPEC_TTL_S,
@@ -107,6 +107,7 @@ class Host:
         self._pace: dict[str, tuple[int, float, int, float]] = {}
         """Per peer, the round counter seen first and last on our monotonic clock: its pace as we observed it."""
         self._spec_stored = -math.inf
+        self._remembered = -math.inf
         self._id_dir: Path | None = None
         self._p2pd_record: Path | None = None
         self.swarm_key: SwarmKey | None = None
@@ -142,7 +143,10 @@ class Host:
             self.identity = self._identity_path()
             known = not initial or self.opts.spec_from_user  # this run's keys are guarded from the start
             await asyncio.to_thread(leftovers.sweep)  # sockets of killed peers' p2pd (their records only)
-            await self._connect(initial, known)
+            boot = initial
+            if initial and self.opts.checkpoint_dir is not None:  # a restart: the peers it saw last, after the user's
+                boot = list(dict.fromkeys([*initial, *peer_cache.recall(self.opts.checkpoint_dir)]))
+            await self._connect(initial, known, boot)
             if self._id_dir is not None:  # a throwaway key, now in p2pd and the validator: no file outlives a kill
                 shutil.rmtree(self._id_dir, ignore_errors=True)
             self.spec = await settle_spec(self.dht, self.opts, self.spec, self.swarm_key, self.events.write)
@@ -173,13 +177,13 @@ class Host:
             raise
         return self
 
-    async def _connect(self, initial: list[str] | None, known: bool) -> None:
+    async def _connect(self, initial: list[str] | None, known: bool, boot: list[str] | None = None) -> None:
         """P2P, the record validator and the DHT node. Through --initial-peers this is tried BOOT_ATTEMPTS times
         (an initial peer on a slow link, or dying, fails p2pd's bootstrap or DHT's ping back), then it is a
         one-line error, not a traceback."""
         for attempt in range(BOOT_ATTEMPTS):
             try:
-                self.p2p = await self._start_p2p(initial)
+                self.p2p = await self._start_p2p(boot or initial, initial)
                 self._p2pd_record = leftovers.record(self.p2p)  # removed on exit, or by the next start after a kill
                 self.me = self.p2p.peer_id.to_base58()
                 self.validator = SwarmValidator(load_identity(self.identity), swarm_key=self.swarm_key)
@@ -190,7 +194,7 @@ class Host:
                 if known:
                     self.validator.set_run(self.spec.hash()[:16], self.spec.network.heartbeat_ttl_s)
                 self.maddrs = await self.p2p.get_visible_maddrs()
-                self.dht = await self._create_dht(initial)
+                self.dht = await self._create_dht(boot or initial)
                 return
             except (ConfigError, asyncio.CancelledError):
                 raise
@@ -222,55 +226,23 @@ class Host:
         await DHTProtocol.remove_p2p_handlers(DHTProtocol.__new__(DHTProtocol), self.p2p)
         return await DHTNode.create(p2p=self.p2p, initial_peers=initial, record_validator=self.validator, strict=False)
 
-    async def _start_p2p(self, initial: list[str] | None) -> P2P:
+    async def _start_p2p(self, boot: list[str] | None, initial: list[str] | None) -> P2P:
         """hivemind's P2P (p2pd). A relaying node that says it is public (``--reachability public``) first checks
         which circuit-relay service its p2pd serves with, and restarts p2pd (same identity) while it is the one
         limited to 128 KiB per relayed connection, at most ``RELAY_STARTS`` times (peer/transport/relay_check.py:
         the race in hivemind 1.1.12's p2pd; an open peer left to AutoNAT has the limited one only until AutoNAT
         says public)."""
-        for start in range(1, RELAY_STARTS + 1):
-            p2p = await P2P.create(
-                initial_peers=initial,
+
+        async def create() -> P2P:
+            return await P2P.create(
+                initial_peers=boot,  # the user's --initial-peers, and on a restart the peers it saw last
                 identity_path=str(self.identity),
-                **self.opts.p2p_kwargs(initial or ()),  # addresses, relays, auto-relay, reachability
+                **self.opts.p2p_kwargs(initial or ()),  # addresses, relays (the user's), auto-relay, reachability
             )
-            if self.opts.reachability != "public" or not self.opts.relay:
-                return p2p
-            try:
-                maddr = relay_check.public_maddr(await p2p.get_visible_maddrs())
-                if maddr is None:
-                    log.info("relay check skipped: no address that libp2p relays through (loopback only)")
-                    return p2p
-                n, what, dt = await relay_check.check(maddr)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(p2p.shutdown(), 10)
-                raise
-            self.events.write("relay_checked", start=start, carried=n, probe_bytes=relay_check.PROBE_BYTES, s=dt)
-            if n >= relay_check.PROBE_BYTES:
-                log.info("relay service checked: a relayed connection carried %d bytes (%.1f s)", n, dt)
-                return p2p
-            if start == RELAY_STARTS:
-                log.warning(
-                    "relay service unchecked after %d starts (the last carried %d of %d bytes: %s); serving anyway: "
-                    "payloads relayed through this peer may be cut at 128 KiB",
-                    start,
-                    n,
-                    relay_check.PROBE_BYTES,
-                    what,
-                )
-                return p2p
-            log.warning(
-                "relay service limited (a relayed connection carried %d of %d bytes: %s); restarting p2pd (%d/%d)",
-                n,
-                relay_check.PROBE_BYTES,
-                what,
-                start + 1,
-                RELAY_STARTS,
-            )
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(p2p.shutdown(), 10)
-        raise AssertionError("unreachable")
+
+        if self.opts.reachability != "public" or not self.opts.relay:
+            return await create()
+        return await relay_check.start_checked(create, self.events.write, RELAY_STARTS)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.stop.set()
@@ -517,6 +489,16 @@ class Host:
         ttl = heartbeat_ttl(beat.round_s, self.spec.network.heartbeat_ttl_s)
         await store_heartbeat(self.dht, self.run_id, self.me, beat.record(), ttl)
 
+    async def _remember_peers(self) -> None:
+        """The peers we read, for a restart to bootstrap through (peer/transport/peer_cache.py), at most once a
+        minute; a folder we cannot write (a full disk) keeps the old list."""
+        folder = self.opts.checkpoint_dir
+        if folder is None or time.monotonic() - self._remembered < peer_cache.REMEMBER_EVERY_S:
+            return
+        self._remembered = time.monotonic()
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(peer_cache.remember, folder, list(self.beats.values()), self.me)
+
     def publish_soon(self) -> None:
         """Store our heartbeat in the background (fresh round numbers keep joiners' choices right)."""
         self.spawn(self.publish(), background=True)
@@ -529,6 +511,7 @@ class Host:
             try:
                 await self.read_beats()
                 await self.publish()
+                await self._remember_peers()
                 if time.monotonic() - self._spec_stored > SPEC_TTL_S / 3:
                     await self.publish_spec()
             except asyncio.CancelledError:

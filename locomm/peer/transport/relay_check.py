@@ -18,9 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+log = logging.getLogger(__name__)
 PROBE_BYTES = 1 << 18
 """Sent through the relay by the probe: twice go-libp2p's default budget of 128 KiB per direction."""
 PROBE_HANDLER = "locomm-relay-probe"
@@ -142,3 +145,46 @@ def public_maddr(maddrs: list[Any]) -> str | None:
             if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
                 return m
     return None
+
+
+async def start_checked(create: Callable[[], Awaitable[Any]], event: Callable[..., None], starts: int) -> Any:
+    """A P2P from ``create`` whose relay service carried the probe: one that cut it is shut down and created again
+    (same identity), at most ``starts`` times; after the last it is kept with a warning. ``event`` gets one
+    ``relay_checked`` event per start (start, carried, probe_bytes, s)."""
+    for start in range(1, starts + 1):
+        p2p = await create()
+        try:
+            maddr = public_maddr(await p2p.get_visible_maddrs())
+            if maddr is None:
+                log.info("relay check skipped: no address that libp2p relays through (loopback only)")
+                return p2p
+            n, what, dt = await check(maddr)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(p2p.shutdown(), 10)
+            raise
+        event("relay_checked", start=start, carried=n, probe_bytes=PROBE_BYTES, s=dt)
+        if n >= PROBE_BYTES:
+            log.info("relay service checked: a relayed connection carried %d bytes (%.1f s)", n, dt)
+            return p2p
+        if start == starts:
+            log.warning(
+                "relay service unchecked after %d starts (the last carried %d of %d bytes: %s); serving anyway: "
+                "payloads relayed through this peer may be cut at 128 KiB",
+                start,
+                n,
+                PROBE_BYTES,
+                what,
+            )
+            return p2p
+        log.warning(
+            "relay service limited (a relayed connection carried %d of %d bytes: %s); restarting p2pd (%d/%d)",
+            n,
+            PROBE_BYTES,
+            what,
+            start + 1,
+            starts,
+        )
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(p2p.shutdown(), 10)
+    raise ValueError(f"starts must be at least 1, got {starts}")

@@ -108,6 +108,7 @@ class Host:
         """Per peer, the round counter seen first and last on our monotonic clock: its pace as we observed it."""
         self._spec_stored = -math.inf
         self._remembered = -math.inf
+        self._remembered_peers: frozenset[str] = frozenset()
         self._id_dir: Path | None = None
         self._p2pd_record: Path | None = None
         self.swarm_key: SwarmKey | None = None
@@ -490,14 +491,20 @@ class Host:
         await store_heartbeat(self.dht, self.run_id, self.me, beat.record(), ttl)
 
     async def _remember_peers(self) -> None:
-        """The peers we read, for a restart to bootstrap through (peer/transport/peer_cache.py), at most once a
-        minute; a folder we cannot write (a full disk) keeps the old list."""
+        """The peers we read, for a restart to bootstrap through (peer/transport/peer_cache.py): when we read one
+        the file does not name yet, else once a minute; a folder we cannot write (a full disk) keeps the old
+        list."""
         folder = self.opts.checkpoint_dir
-        if folder is None or time.monotonic() - self._remembered < peer_cache.REMEMBER_EVERY_S:
+        if folder is None:
             return
-        self._remembered = time.monotonic()
+        beats = list(self.beats.values())
+        peers = peer_cache.candidates(beats, self.me)
+        due = time.monotonic() - self._remembered >= peer_cache.REMEMBER_EVERY_S
+        if not due and peers <= self._remembered_peers:
+            return
+        self._remembered, self._remembered_peers = time.monotonic(), peers
         with contextlib.suppress(OSError):
-            await asyncio.to_thread(peer_cache.remember, folder, list(self.beats.values()), self.me)
+            await asyncio.to_thread(peer_cache.remember, folder, beats, self.me)
 
     def publish_soon(self) -> None:
         """Store our heartbeat in the background (fresh round numbers keep joiners' choices right)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from locomm.peer.transport.peer_cache import FILE_NAME, MAX_KNOWN, recall, remember
+from locomm.peer.transport.peer_cache import FILE_NAME, MAX_KNOWN, candidates, recall, remember
 from locomm.protocol.membership import Heartbeat
 
 
@@ -24,6 +24,8 @@ def test_live_started_peers_are_remembered_one_address_each_direct_first(tmp_pat
     got = recall(tmp_path)
     assert got[0] == "/ip4/2.2.2.2/tcp/3/p2p/QmA" and len(got) == MAX_KNOWN
     assert not any("QmMe" in m or "QmGone" in m or "QmNew" in m for m in got)
+    # what the host compares to decide a rewrite: a peer not written yet makes one
+    assert candidates(beats, "QmMe") == {"QmA", *(f"QmX{i}" for i in range(20))}
 
 
 def test_whatever_the_file_holds_is_checked(tmp_path):

@@ -4,7 +4,8 @@ A peer restarted from its checkpoint usually names one ``--initial-peers`` addre
 reach at the time (its machine frozen, its link saturated or down), the restart could not join although the
 swarm was there (benchmarks/chaos.py: restarts exited 2, "none of the initial_peers responded to a ping").
 The host writes the multiaddrs of up to ``MAX_KNOWN`` live peers it read to ``known_peers.json`` in the
-checkpoint folder, at most once every ``REMEMBER_EVERY_S``; a restart with ``--initial-peers`` adds them
+checkpoint folder when it reads a peer the file does not name yet, and at least once every ``REMEMBER_EVERY_S``
+(a restart soon after joining finds the peers it met, not an empty list); a restart with ``--initial-peers`` adds them
 after the user's to the DHT bootstrap. They are candidates to reach the DHT through, never trusted for the
 run spec (only the user's ``--initial-peers`` are, peer/spec_sync.py). Whatever is in the file is checked:
 at most ``MAX_KNOWN`` entries, each a short string with a ``/p2p/`` id; anything else is ignored.
@@ -34,6 +35,11 @@ def _usable(maddr: object, me: str) -> bool:
         and "/p2p/" in maddr
         and not (me and maddr.endswith(f"/p2p/{me}"))
     )
+
+
+def candidates(beats: Iterable[Heartbeat], me: str) -> frozenset[str]:
+    """The peers :func:`remember` would write: live, started, with an address."""
+    return frozenset(b.peer for b in beats if b.peer != me and not b.finished and b.started and b.maddrs)
 
 
 def remember(folder: Path, beats: Iterable[Heartbeat], me: str) -> None:

@@ -65,6 +65,11 @@ def _why(result: dict, logs: Path) -> str:
         if err.exists():
             tail = [ln for ln in err.read_text(errors="replace").splitlines() if ln.strip()][-25:]
             lines += ["    " + ln[:300] for ln in tail]
+    for err in sorted(logs.glob("relay*.err")):  # which relays checked their service, and what they carried
+        lines.append(f"{err.stem}: " + " | ".join(ln[:200] for ln in err.read_text(errors="replace").splitlines()[:10]))
+    for i in range(PEERS):
+        checks = [e for e in _events(logs / f"peer{i}.jsonl") if e.get("event") == "relay_checked"]
+        lines.append(f"peer {i} relay checks: {[(e.get('start'), e.get('carried')) for e in checks]}")
     return "\n".join(lines)
 
 

@@ -77,6 +77,12 @@ RELAY_STARTS = 4
 """p2pd starts a ``--reachability public`` peer tries for its full relay service (each wins about 3 in 4)."""
 
 
+def _p2pd_running(p2p: P2P | None) -> bool:
+    """Whether our p2pd still runs (False when it exited: killed, OOM, crashed)."""
+    child = getattr(p2p, "_child", None)  # hivemind's asyncio Process of p2pd; None when we attached to one
+    return p2p is not None and (child is None or child.returncode is None)
+
+
 class Host:
     """A peer's runtime, shared by every driver (see the module docstring)."""
 
@@ -270,6 +276,8 @@ class Host:
             self.metrics.close()
         for name in ("dht", "p2p"):
             svc = getattr(self, name, None)
+            if name == "dht" and not _p2pd_running(getattr(self, "p2p", None)):
+                continue  # its shutdown unregisters handlers in p2pd: with p2pd dead (killed, OOM) it waits 10 s
             if svc is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(svc.shutdown(), 10)

@@ -13,7 +13,8 @@ Three pieces (Linux; elsewhere the first two are no-ops and only the reaper's pi
   always there, for ~20 ms per start.
 - :func:`install` (once per peer process, from ``cli/daemon.py``). hivemind's ``P2P.create`` builds the
   p2pd command with the staticmethod ``P2P._make_process_args``; wrapping it puts every p2pd behind the
-  shim without touching hivemind's files: the node's own, and that of DiLoCo's forked ``hivemind.DHT``
+  shim, in a process group of its own (the peer stops it after its goodbye), without touching hivemind's
+  files: the node's own, and that of DiLoCo's forked ``hivemind.DHT``
   (the wrapper is inherited through fork). It also registers a multiprocessing after-fork hook, so each
   ``multiprocessing`` fork child (hivemind.DHT, DecentralizedAverager) is SIGKILLed when its parent
   dies. PR_SET_PDEATHSIG fires when the parent *thread* exits, not the process: a child forked from the
@@ -59,14 +60,16 @@ MARKER = "LOCOMM_SWARM_DIR"
 LINUX = sys.platform.startswith("linux")
 PR_SET_PDEATHSIG = 1
 
-# argv: SIG PPID PROGRAM ARGS...; exits 1 if the parent that started it has gone already.
+# argv: SIG PPID GROUP PROGRAM ARGS...; exits 1 if the parent that started it has gone already; GROUP "1": the
+# program gets a process group of its own.
 _SHIM = (
     "import ctypes,os,signal,sys\n"
     "ctypes.CDLL(None,use_errno=True).prctl(1,int(sys.argv[1]),0,0,0)\n"
     "os.getppid()==int(sys.argv[2]) or os._exit(1)\n"
+    "sys.argv[3]=='1' and os.setpgid(0,0)\n"
     "signal.signal(signal.SIGPIPE,signal.SIG_DFL)\n"
     "signal.signal(signal.SIGINT,signal.SIG_DFL)\n"
-    "os.execv(sys.argv[3],sys.argv[3:])\n"
+    "os.execv(sys.argv[4],sys.argv[4:])\n"
 )
 
 
@@ -77,13 +80,17 @@ def set_pdeathsig(sig: int) -> bool:
     return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
-def pdeath_argv(argv: Sequence[str], sig: int = signal.SIGTERM, parent: int | None = None) -> list[str]:
+def pdeath_argv(
+    argv: Sequence[str], sig: int = signal.SIGTERM, parent: int | None = None, *, own_group: bool = False
+) -> list[str]:
     """``argv`` behind the exec shim: the command gets ``sig`` when ``parent`` (default: this process,
-    or rather the thread that will spawn it) dies. Unchanged off Linux. ``argv[0]`` must be a path."""
+    or rather the thread that will spawn it) dies; with ``own_group`` it leaves its parent's process group
+    (signals sent to that group, a terminal's Ctrl-C among them, no longer reach it). Unchanged off Linux.
+    ``argv[0]`` must be a path."""
     if not LINUX:
         return list(argv)
     ppid = os.getpid() if parent is None else parent
-    return [sys.executable, "-I", "-S", "-c", _SHIM, str(int(sig)), str(ppid), *argv]
+    return [sys.executable, "-I", "-S", "-c", _SHIM, str(int(sig)), str(ppid), "1" if own_group else "0", *argv]
 
 
 # -- the per-process installation: p2pd behind the shim, fork children with a parent-death signal ----
@@ -123,7 +130,11 @@ def _shimmed(make: Callable[..., list[str]]) -> Callable[..., list[str]]:
     @functools.wraps(make)
     def make_process_args(*args: Any, **kwargs: Any) -> list[str]:
         argv = make(*args, **kwargs)
-        return pdeath_argv(argv) if argv and os.path.basename(argv[0]) == "p2pd" else argv
+        # p2pd in a process group of its own: a Ctrl-C in the peer's terminal (SIGINT to the foreground group)
+        # or a stop sent to the peer's group reaches the peer alone, which finishes its exchange, says goodbye
+        # through p2pd, then stops it. When p2pd shared the group it died with the signal: the last exchange
+        # broke, no goodbye went out, and the DHT's shutdown waited 10 s on the dead daemon.
+        return pdeath_argv(argv, own_group=True) if argv and os.path.basename(argv[0]) == "p2pd" else argv
 
     return make_process_args
 

@@ -169,3 +169,36 @@ def test_sighup_of_a_pipeline_launcher_stops_it_cleanly(procs: Marked) -> None:
     finally:
         with contextlib.suppress(OSError):
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_ctrl_c_to_a_peers_process_group_reaches_the_peer_alone_which_says_goodbye(procs: Marked) -> None:
+    """A terminal's Ctrl-C is SIGINT to the whole foreground process group. p2pd sits in a group of its own
+    (peer/lifeline.py), so the signal reaches the peer alone: it finishes its exchange, sends its goodbye through
+    its still-running p2pd and stops it, well within the launcher's 10 s grace. When p2pd shared the group it died
+    with the signal: the last push broke ("Connection lost"), the DHT's shutdown waited 10 s on the dead daemon,
+    and the peer exited 17-31 s after the signal."""
+    from locomm.testing.launcher import Launcher, wait_until
+
+    spec = RunSpec.preset("nano").replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
+    spec = spec.replace("outer", algo="noloco", inner_steps=5).replace("train", steps=100_000, eval_interval=0)
+    cfg = procs.root / "run.toml"
+    spec.replace("network", heartbeat_interval_s=1.0, heartbeat_ttl_s=4.0).save(cfg)
+    env = {MARK: procs.token, "TMPDIR": str(procs.tmp)}
+    with Launcher(procs.root / "peers", grace_s=10.0, stop_signal=signal.SIGINT, env=env) as launcher:
+        a = launcher.start("a", "--wait-for-peers", "2", "--shard", "0/2", config=cfg)
+        b = launcher.start("b", "--wait-for-peers", "2", "--shard", "1/2", config=cfg, initial_peers=a.address())
+        wait_until(lambda: a.round() >= 3 and b.round() >= 3, 120, "two peers train", [a, b])
+        for p in (a, b):
+            (daemon,) = [d for d in procs.p2pd() if ppid(d) == p.proc.pid]
+            assert os.getpgid(daemon) == daemon != os.getpgid(p.proc.pid), (daemon, p.proc.pid)
+        b.send_signal(signal.SIGINT, group=True)  # what the terminal does: the peer's whole group
+        assert b.wait(10) == 0, b.tail()  # before SIGKILL, its summary written
+        assert b.events("finished"), b.tail()
+        assert "Connection lost" not in b.err.read_text(errors="replace"), b.tail()
+        # its partner read the goodbye: it goes on alone, not waiting on b to a deadline every round
+        r = a.round()
+        wait_until(lambda: any(e["members"] == 1 for e in a.events("round")), 60, "a sees b leave", [a])
+        assert a.round() >= r
+        a.send_signal(signal.SIGINT, group=True)
+        assert a.wait(10) == 0, a.tail()
+    poll(lambda: not procs.alive(), 30, lambda: f"every marked process gone; alive: {procs.describe()}")

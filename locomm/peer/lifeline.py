@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from locomm.peer.transport import leftovers
+
 __all__ = ["MARKER", "Reaper", "install", "marked", "pdeath_argv", "set_pdeathsig"]
 
 log = logging.getLogger(__name__)
@@ -130,6 +132,8 @@ def _shimmed(make: Callable[..., list[str]]) -> Callable[..., list[str]]:
     @functools.wraps(make)
     def make_process_args(*args: Any, **kwargs: Any) -> list[str]:
         argv = make(*args, **kwargs)
+        if argv and os.path.basename(argv[0]) == "p2pd":
+            leftovers.record_spawn(kwargs.get("listen"))  # before it runs: a kill from here on leaves a record
         # p2pd in a process group of its own: a Ctrl-C in the peer's terminal (SIGINT to the foreground group)
         # or a stop sent to the peer's group reaches the peer alone, which finishes its exchange, says goodbye
         # through p2pd, then stops it. When p2pd shared the group it died with the signal: the last exchange

@@ -44,6 +44,32 @@ def test_sweep_removes_only_recorded_sockets_of_dead_processes(tmp_path):
     assert sorted(p.name for p in recs.iterdir()) == ["2-b.json"]
 
 
+def test_sockets_are_recorded_as_p2pd_is_spawned_before_it_runs(tmp_path, monkeypatch):
+    """lifeline's hook on hivemind's ``_make_process_args`` records both sockets from p2pd's ``listen`` argument
+    before p2pd starts (a kill inside ``P2P.create`` leaves a record); the record of the running daemon is the
+    same file."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from locomm.peer import lifeline
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    daemon, client = "/tmp/hivemind-p2pd-Ab_c-9.sock", "/tmp/hivemind-p2pclient-Ab_c-9.sock"
+    make = lifeline._shimmed(lambda **kw: ["/opt/bin/p2pd", f"-listen={kw['listen']}"])
+    argv = make(listen=Multiaddr(f"/unix{daemon}"))
+    assert argv[-2:] == ["/opt/bin/p2pd", f"-listen=/unix{daemon}"]  # behind the shim, unchanged
+    (rec,) = leftovers.records_dir().glob("*.json")
+    assert json.loads(rec.read_text()) == {"pid": os.getpid(), "sockets": [daemon, client]}
+
+    class Running:  # what record() reads of hivemind's P2P
+        _daemon_listen_maddr = {"unix": daemon}
+        _client_listen_maddr = {"unix": client}
+
+    assert leftovers.record(Running()) == rec
+    assert leftovers.record_spawn("/ip4/1.2.3.4/tcp/1") is None and leftovers.record_spawn(None) is None
+    lifeline._shimmed(lambda **kw: ["/bin/true"])(listen=Multiaddr("/unix/tmp/hivemind-p2pd-other.sock"))
+    assert len(list(leftovers.records_dir().glob("*.json"))) == 1  # only p2pd's arguments are read
+
+
 def test_a_killed_peers_p2pd_sockets_go_at_the_next_start(tmp_path):
     """A real p2pd: the process that started it records its sockets and is killed with it (SIGKILL to the
     group: nothing runs hivemind's cleanup); the sockets stay until the next sweep removes them."""

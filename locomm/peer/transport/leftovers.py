@@ -3,7 +3,8 @@
 hivemind names them ``hivemind-p2pd-<uid>.sock`` and ``hivemind-p2pclient-<uid>.sock`` (``P2P.create``) and
 removes them in ``P2P.shutdown``; a kill (SIGKILL, OOM, power) skips that, and a long-lived machine gathers
 them (82 in one chaos run). A peer records its own daemon's two socket paths in a file named by its process
-id (:func:`record`), removes them and the record on exit (:func:`forget`), and at every start removes what
+id as p2pd is spawned (:func:`record_spawn`, from peer/lifeline.py's hook) and once it runs (:func:`record`),
+removes them and the record on exit (:func:`forget`), and at every start removes what
 the records of processes no longer alive name (:func:`sweep`). Only recorded paths that match hivemind's
 names are ever removed: never another program's socket, nor a live peer's.
 """
@@ -54,9 +55,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def record_spawn(listen: object, where: Path | None = None) -> Path | None:
+    """Note the sockets of a p2pd about to start, from its ``listen`` multiaddr (``_make_process_args``'s
+    argument): before p2pd exists, so a kill while ``P2P.create`` waits for it leaves a record too (23 of 25
+    sockets left in the 60-minute chaos run came from peers killed there). :func:`record` names the same file."""
+    try:
+        daemon = Path(str(listen).removeprefix("/unix"))
+    except Exception:  # noqa: BLE001 - an argument we do not know: nothing to note
+        return None
+    if not SOCKET_NAME.fullmatch(daemon.name) or "-p2pd-" not in daemon.name:
+        return None
+    client = daemon.with_name(daemon.name.replace("-p2pd-", "-p2pclient-", 1))
+    return _write(where, [str(daemon), str(client)])
+
+
 def record(p2p: Any, where: Path | None = None) -> Path | None:
     """Note ``p2p``'s sockets under this process's id; the record's path (None if it cannot be written)."""
-    paths = sockets_of(p2p)
+    return _write(where, sockets_of(p2p))
+
+
+def _write(where: Path | None, paths: list[str]) -> Path | None:
     if not paths:
         return None
     folder = where or records_dir()

@@ -41,7 +41,7 @@ from locomm.peer.control import ControlError, ControlServer, Handler, control_pa
 from locomm.peer.host import Host
 from locomm.peer.transport.gossip import Gossip
 from locomm.peer.transport.state_sync import Judge, StateMismatch, Synced
-from locomm.protocol.membership import STATE_RETRY_S, Heartbeat, sends_nothing_more
+from locomm.protocol.membership import STATE_RETRY_S, Heartbeat, may_still_pull, sends_nothing_more
 
 __all__ = [
     "JOIN_MARGIN_ROUNDS",
@@ -139,6 +139,7 @@ class Presence:
             fields["serves"] = ()
         elif "serves" not in fields and self.gossip is not None:
             fields["serves"] = tuple(self.gossip.serving())
+        fields.setdefault("leaving", not self.left and self.gossip is not None and self.gossip.leaving)
         return Heartbeat(
             peer=h.me,
             started=self.started,
@@ -342,15 +343,14 @@ class Presence:
         the final heartbeat that says we left.
 
         Past ``handover_s`` we wait only for partners still on their way to that round (a heartbeat younger than
-        ``ttl`` at most a round past it: a loaded partner may be seconds behind), and never past ``max_s``; after
-        Ctrl-C at most STOP_HANDOVER_S."""
+        ``ttl`` at most a round past it: a loaded partner may be seconds behind; not one that is leaving too:
+        ``membership.may_still_pull``), and never past ``max_s``; after Ctrl-C at most STOP_HANDOVER_S."""
         host, d = self.host, self.driver
         stopping = host.stop.is_set()
         t0 = time.monotonic()
 
         def coming(peer: str) -> bool:
-            b = host.beats.get(peer)
-            return b is not None and not b.finished and b.round <= last + 1 and host.dht_now() - b.time < ttl
+            return may_still_pull(host.beats.get(peer), last, host.dht_now(), ttl)
 
         waiting: set[str] = set()
         gossip.leaving = True  # our heartbeat lists what we still serve: partners pull it now

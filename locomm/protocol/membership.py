@@ -116,6 +116,7 @@ _PARSE = {
     "finished": _bool,
     "paused": _bool,
     "serves": _rounds,
+    "leaving": _bool,
     "eta_s": lambda v: None if v is None else _nonneg(v),
     "loss": _opt_float,
     "val_loss": _opt_float,
@@ -166,6 +167,8 @@ class Heartbeat:
     serves: tuple[int, ...] = ()
     """Rounds whose payload it serves to partners that pull it (a push of it failed, or it is leaving): a
     partner waiting on one of them pulls it now, and does not take its leaving as "nothing will come"."""
+    leaving: bool = False
+    """It is leaving: its exchanges are over, it serves its last payload (``serves``) and pulls nothing more."""
     eta_s: float | None = None
     """Seconds until this peer expects to finish its current round's inner steps (None: not training)."""
     loss: float | None = None
@@ -267,6 +270,17 @@ def sends_nothing_more(b: Heartbeat, round_idx: int) -> bool:
     Without the last case a replica two rounds behind its sibling waited out every round's deadline for
     payloads the sibling no longer served, and held it there (a 2-stage pipeline at 30 s a round)."""
     return (b.finished or b.paused or b.round >= round_idx + 2) and round_idx not in b.serves
+
+
+def may_still_pull(b: Heartbeat | None, last: int, now: float, ttl: float) -> bool:
+    """Whether a partner that has not taken our payload of round ``last`` may still pull it, as a leaving peer
+    judges it: its heartbeat is fresh (younger than ``ttl``), it has not left, paused or begun leaving itself
+    (its exchanges are over), and it is at most a round past ``last`` (a loaded partner may be seconds behind;
+    one two rounds on has ended that exchange). Two peers leaving together each waited for the other to pull,
+    up to ``max_wait_s``, when the other's leaving did not count (issue 31: a leaver served for 157.8 s)."""
+    if b is None or b.finished or b.paused or b.leaving:
+        return False
+    return b.round <= last + 1 and now - b.time < ttl
 
 
 def members_for_round(

@@ -170,3 +170,24 @@ def test_a_round_counter_far_ahead_keeps_no_dead_or_minted_peer_in():
         Heartbeat(peer="QmAheadStale", round=r + MEMBER_LAG_ROUNDS, time=now - 100.0),  # within the lag: in
     ]
     assert members_for_round(beats, r, "QmMe", fresh_s=30.0, now=now) == ["QmAheadStale", "QmFastLive", "QmMe"]
+
+
+def test_a_leaver_waits_for_no_partner_that_is_leaving_too():
+    """Two peers that end together each waited for the other to pull its last payload, up to max_wait_s: a
+    leaving partner's exchanges are over, and its heartbeat now says so (``leaving``), which the record keeps."""
+    from locomm.protocol.membership import may_still_pull
+
+    last, now, ttl = 9, 100.0, 6.0
+    on_its_way = Heartbeat(peer="QmB", round=last + 1, time=now - 1)
+    assert may_still_pull(on_its_way, last, now, ttl)
+    leaving = Heartbeat(peer="QmB", round=last + 1, time=now - 1, leaving=True, serves=(last,))
+    assert not may_still_pull(leaving, last, now, ttl)
+    assert Heartbeat.parse("QmB", leaving.record()) == leaving  # it travels in the record
+    for gone in (
+        Heartbeat(peer="QmB", round=last + 2, time=now - 1),  # two rounds on: that exchange ended
+        Heartbeat(peer="QmB", round=last, time=now - ttl),  # stale
+        Heartbeat(peer="QmB", round=last, time=now - 1, finished=True),
+        Heartbeat(peer="QmB", round=last, time=now - 1, paused=True),
+        None,
+    ):
+        assert not may_still_pull(gone, last, now, ttl), gone

@@ -87,21 +87,21 @@ LRS = (0.3, 0.5, 0.7, 1.0, 1.3, 1.6)
 
 
 EXTENSIONS = {
-    "sparseloco_tiles": [
+    "sparseloco": [
         *(dict(sparse_lr=a, sparse_density=d, sparse_ef_beta=0.7) for a in (1.0, 3.0) for d in (0.02, 0.03, 0.05)),
         *(dict(sparse_lr=3.0, sparse_density=d, sparse_ef_beta=b) for b in (0.6, 0.5) for d in (0.02, 0.03, 0.05)),
     ],
 }
-"""Points past a variant's grid, run after it: the tiles codec's best sat on the shared grid's edge (error
-feedback 0.8, the lowest), so the grid grows there for it: 0.7 at lr 1 and 3 (lr 9 diverged at every point),
-then, its best again at the new edge (lr 3), 0.6 and 0.5 at lr 3 (lr 1 was 0.23-0.63 worse at 0.7)."""
+"""Points past an algorithm's grid, run after it (and by its variants). SparseLoCo's best, with either codec, sat
+on the grid's edge (error feedback 0.8, the lowest), so its grid grows there: 0.7 at lr 1 and 3 (lr 9 diverged at
+every point with the tiles codec), then 0.6 and 0.5 at lr 3 (lr 1 was 0.23-0.63 worse at 0.7)."""
 
 
 def grid(algo: str) -> list[dict[str, float]]:
-    """The algorithm's points, its documented default first, the rest in a fixed shuffled order (then, for a
-    variant, the points of its ``EXTENSIONS``)."""
+    """The algorithm's points, its documented default first, the rest in a fixed shuffled order, then its
+    ``EXTENSIONS``."""
     if algo in VARIANTS:
-        return grid(VARIANTS[algo][0]) + EXTENSIONS.get(algo, [])
+        return grid(VARIANTS[algo][0])
     if algo == "diloco":
         pts, default = (
             [dict(lr=a, momentum=m) for a, m in itertools.product(LRS, (0.0, 0.5, 0.9))],
@@ -128,7 +128,7 @@ def grid(algo: str) -> list[dict[str, float]]:
     assert default in pts
     rest = [p for p in pts if p != default]
     random.Random(f"tune-{algo}").shuffle(rest)
-    return [default, *rest]
+    return [default, *rest, *EXTENSIONS.get(algo, [])]
 
 
 ALGOS = ("diloco", "noloco", "gasloc", "sparseloco")

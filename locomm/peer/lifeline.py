@@ -132,13 +132,14 @@ def _shimmed(make: Callable[..., list[str]]) -> Callable[..., list[str]]:
     @functools.wraps(make)
     def make_process_args(*args: Any, **kwargs: Any) -> list[str]:
         argv = make(*args, **kwargs)
-        if argv and os.path.basename(argv[0]) == "p2pd":
-            leftovers.record_spawn(kwargs.get("listen"))  # before it runs: a kill from here on leaves a record
+        if not argv or os.path.basename(argv[0]) != "p2pd":
+            return argv
+        leftovers.record_spawn(kwargs.get("listen"))  # before it runs: a kill from here on leaves a record
         # p2pd in a process group of its own: a Ctrl-C in the peer's terminal (SIGINT to the foreground group)
         # or a stop sent to the peer's group reaches the peer alone, which finishes its exchange, says goodbye
         # through p2pd, then stops it. When p2pd shared the group it died with the signal: the last exchange
         # broke, no goodbye went out, and the DHT's shutdown waited 10 s on the dead daemon.
-        return pdeath_argv(argv, own_group=True) if argv and os.path.basename(argv[0]) == "p2pd" else argv
+        return pdeath_argv(argv, own_group=True)
 
     return make_process_args
 

@@ -37,16 +37,20 @@ def _usable(maddr: object, me: str) -> bool:
     )
 
 
+def _candidate(b: Heartbeat, me: str) -> bool:
+    return b.peer != me and not b.finished and b.started and bool(b.maddrs)
+
+
 def candidates(beats: Iterable[Heartbeat], me: str) -> frozenset[str]:
     """The peers :func:`remember` would write: live, started, with an address."""
-    return frozenset(b.peer for b in beats if b.peer != me and not b.finished and b.started and b.maddrs)
+    return frozenset(b.peer for b in beats if _candidate(b, me))
 
 
 def remember(folder: Path, beats: Iterable[Heartbeat], me: str) -> None:
     """Write the addresses of up to MAX_KNOWN live, started peers (one address each, relayed ones last)."""
     addrs: list[str] = []
     for b in beats:
-        if b.peer == me or b.finished or not b.started or not b.maddrs:
+        if not _candidate(b, me):
             continue
         ordered = sorted(b.maddrs, key=lambda m: "p2p-circuit" in m)
         m = ordered[0] if "/p2p/" in ordered[0] else f"{ordered[0]}/p2p/{b.peer}"

@@ -8,11 +8,12 @@ the open hosts for small NAT runs: go-libp2p's auto-relay (as p2pd runs it, with
 hivemind has no switch to turn it off) waits for 4 relay candidates, or 3 minutes, before it reserves a
 slot, and a 4-peer swarm with 2 open peers has 2.
 
-**Why the probe.** p2pd runs two circuit-relay services, one of them limited to 128 KiB per relayed connection,
-and which one serves is a race at start (locomm/peer/transport/relay_check.py, docs/results/nat.md). So before
-announcing itself the relay checks which one serves (``relay_check.check``); a start that cuts the probe is
-restarted with a new identity and port, at most ``--tries`` times; after the last, the relay announces itself
-unchecked (the probe itself can fail alike on every start: seen, 96 KiB in all 8).
+**Why one Go thread and the probe.** p2pd runs two circuit-relay services, one of them limited to 128 KiB per
+relayed connection, and which one serves is a race at start that Go's default thread count loses most of the
+time (locomm/peer/transport/relay_check.py, docs/results/nat.md). So p2pd starts with ``GOMAXPROCS=1``
+(``relay_check.one_go_thread``), which made the wide one serve in 22 of 22 measured starts, and before announcing
+itself the relay still checks which one serves (``relay_check.check``); a start that cuts the probe is restarted
+with a new identity and port, at most ``--tries`` times; after the last, the relay announces itself unchecked.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import signal
 import sys
 from pathlib import Path
 
-from locomm.peer.transport.relay_check import PROBE_BYTES, check
+from locomm.peer.transport.relay_check import PROBE_BYTES, check, one_go_thread
 
 
 def _log(msg: str) -> None:
@@ -36,16 +37,17 @@ async def serve(host_maddr: str, out: Path, tries: int, probe_timeout: float) ->
     from hivemind.p2p import P2P  # noqa: PLC0415
 
     for k in range(1, tries + 1):
-        p2p = await P2P.create(
-            host_maddrs=[host_maddr], use_relay=True, use_auto_relay=False, force_reachability="public"
-        )
+        with one_go_thread():
+            p2p = await P2P.create(
+                host_maddrs=[host_maddr], use_relay=True, use_auto_relay=False, force_reachability="public"
+            )
         try:
             maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
             n, what, dt = await check(maddrs[0], probe_timeout)
             _log(f"start {k}/{tries}: {n} of {PROBE_BYTES} bytes in {dt:.1f} s: {what}")
             if n < PROBE_BYTES and k < tries:
                 continue  # a new start (identity, port): the relay with the wider limits may win this time
-            if n < PROBE_BYTES:  # the probe itself can fail alike on every start (seen: 96 KiB in all 8)
+            if n < PROBE_BYTES:
                 _log(f"no start of {tries} carried {PROBE_BYTES} bytes; announcing the last one unchecked")
             tmp = out.with_suffix(".tmp")
             tmp.write_text("\n".join(maddrs) + "\n")

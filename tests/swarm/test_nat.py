@@ -3,8 +3,9 @@
 A NATed peer can dial out but nobody can dial in; both join through the first (open) peer with ``--reachability
 private`` and reserve a libp2p circuit-relay (v2) slot on the open hosts (peer 0 and 3 bare relays, ``--relays
 3``: go-libp2p's auto-relay waits for 4 candidates; each relay checks before it announces itself that a relayed
-connection through it carries more than go-libp2p's default 128 KiB, which hivemind's p2pd serves on about 1
-relay start in 4 and through which no NAT-NAT payload arrives: locomm/testing/relay.py, docs/results/nat.md).
+connection through it carries more than go-libp2p's default 128 KiB, through which no NAT-NAT payload arrives;
+hivemind's p2pd served that one on 7 of 8 relay starts with Go's default thread count, and on none of 22 with
+the one Go thread every relaying public p2pd now starts with: locomm/testing/relay.py, docs/results/nat.md).
 NoLoCo with a group of 4 for 4 rounds: everyone exchanges with everyone every round, so the two NATed peers
 exchange with each other every round, which only a relay (or a hole-punched connection) can carry. Every ordered
 pair, the NAT-to-NAT one included, must exchange in all rounds but at most one, and at most one push per peer
@@ -155,9 +156,11 @@ def test_four_peers_two_behind_nat_all_pairs_exchange(tmp_path):
         conns = p["tcp_connections"]
         assert conns and all(c.startswith(p["ip"] + ":") for c in conns), why
     # the open peers join with --reachability public: each checked its relay service before it served
-    # (peer/transport/relay_check.py), restarting p2pd while the limited one served, at most RELAY_STARTS times
+    # (peer/transport/relay_check.py), restarting p2pd while the limited one served, at most RELAY_STARTS times;
+    # with one Go thread the wide one serves, so the last start must have carried the probe
     for i in (0, 1):
         checks = [e for e in _events(logs / f"peer{i}.jsonl") if e.get("event") == "relay_checked"]
         assert checks and [e["start"] for e in checks] == list(range(1, len(checks) + 1)), (i, checks, why)
+        assert len(checks) <= RELAY_STARTS, (i, checks)
         assert all(e["carried"] < PROBE_BYTES for e in checks[:-1]), (i, checks)
-        assert checks[-1]["carried"] >= PROBE_BYTES or len(checks) == RELAY_STARTS, (i, checks)
+        assert checks[-1]["carried"] >= PROBE_BYTES, (i, checks)

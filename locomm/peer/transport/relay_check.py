@@ -1,16 +1,23 @@
-"""Which circuit-relay service a public p2pd serves with: the check a relaying node runs before it serves.
+"""Which circuit-relay service a public p2pd serves with, how to make it the wide one, and the check a relaying
+node runs before it serves.
 
 hivemind 1.1.12's p2pd runs two circuit-relay (v2) services on one host: the one its ``-relayDataLimit`` /
 ``-relayTimeLimit`` flags configure (4 GiB and 30 min per relayed connection, started by go-libp2p's relay
-manager when the host is public), and a second one its ``EnableRelayV2`` starts with go-libp2p's
-``DefaultResources()``: 128 KiB per direction and 2 minutes per relayed connection. Both register the hop
-protocol; the one registered last serves it. With ``force_reachability="public"`` the two start microseconds
-apart and the limited one wins about 1 start in 4 (13 of 46 on this project's machine, docs/results/nat.md):
-every relayed connection through it is reset after exactly 131072 bytes each way, and no payload gets
-through. Which one won can only be seen from outside: a private node reserves a slot on the relay (a static
-relay, no listen address, so the relay is its only route) and another sends it ``PROBE_BYTES`` through the
-circuit (:func:`check`). A start that cuts it is restarted (same identity); the bare test relay
-(locomm/testing/relay.py) and a ``--reachability public`` peer (locomm/peer/host.py) both do so.
+manager, in a goroutine of its own, when the host turns public), and a second one its ``EnableRelayV2`` starts
+from ``main`` with go-libp2p's ``DefaultResources()``: 128 KiB per direction and 2 minutes per relayed
+connection. Both register the hop protocol; the one registered last serves it. With
+``force_reachability="public"`` the host is public at once and the two start microseconds apart, on different
+OS threads: which one registers last is a race. Every relayed connection through the limited one is reset after
+131072 bytes each way (the probe below sees 98304 of its 262144 arrive), so no payload gets through. Measured on
+a bare relay in a network namespace (docs/results/nat.md): limited on 7 of 8 starts with Go's default thread
+count on an idle 2-core machine, 3 of 6 with ``GOMAXPROCS=16``, and on none of 22 with ``GOMAXPROCS=1`` (6 idle,
+16 beside a 2-process CPU hog). With one thread ``main`` runs on until it blocks, so ``EnableRelayV2`` registers
+first and the flags' service, whose goroutine runs after, serves. So a relaying public p2pd starts with one Go
+thread (:func:`one_go_thread`: a home link's relaying needs far less than a core), and a start is still checked
+from outside, since the ordering is Go's scheduler's, not a promise: a private node reserves a slot on the relay
+(a static relay, no listen address, so the relay is its only route) and another sends it ``PROBE_BYTES`` through
+the circuit (:func:`check`). A start that cuts it is restarted; the bare test relay (locomm/testing/relay.py) and
+a ``--reachability public`` peer (locomm/peer/host.py) both do so.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -30,6 +38,22 @@ PROBE_HANDLER = "locomm-relay-probe"
 PROBE_ATTEMPTS = 3
 """Probes per start while none gets a byte through (a probe node's p2pd failing to start or to dial)."""
 CHUNK = 1 << 16
+
+
+@contextlib.contextmanager
+def one_go_thread() -> Iterator[None]:
+    """Run the p2pd that hivemind spawns inside this block (it inherits this process's environment) with
+    ``GOMAXPROCS=1``: its relay service is then the wide one (module docstring). The variable is restored after;
+    a Python process ignores it, so another spawn that happens meanwhile is unharmed."""
+    before = os.environ.get("GOMAXPROCS")
+    os.environ["GOMAXPROCS"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("GOMAXPROCS", None)
+        else:
+            os.environ["GOMAXPROCS"] = before
 
 
 def _static_relay_p2p() -> Any:
@@ -150,9 +174,11 @@ def public_maddr(maddrs: list[Any]) -> str | None:
 async def start_checked(create: Callable[[], Awaitable[Any]], event: Callable[..., None], starts: int) -> Any:
     """A P2P from ``create`` whose relay service carried the probe: one that cut it is shut down and created again
     (same identity), at most ``starts`` times; after the last it is kept with a warning. ``event`` gets one
-    ``relay_checked`` event per start (start, carried, probe_bytes, s)."""
+    ``relay_checked`` event per start (start, carried, probe_bytes, s). Each p2pd starts with one Go thread
+    (:func:`one_go_thread`)."""
     for start in range(1, starts + 1):
-        p2p = await create()
+        with one_go_thread():
+            p2p = await create()
         try:
             maddr = public_maddr(await p2p.get_visible_maddrs())
             if maddr is None:

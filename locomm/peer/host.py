@@ -48,7 +48,7 @@ from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.options import NodeOptions
 from locomm.peer.spec_sync import settle_spec
 from locomm.peer.trackers import Trackers
-from locomm.peer.transport import leftovers, peer_cache, relay_check
+from locomm.peer.transport import hello, leftovers, peer_cache, relay_check
 from locomm.peer.transport.gossip import Faults, Gossip
 from locomm.peer.transport.records import (
     SPEC_TTL_S,
@@ -65,6 +65,7 @@ from locomm.peer.transport.state_sync import Judge, Synced, fetch_state
 from locomm.peer.transport.swarm import peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
 from locomm.protocol.defence import Screened
 from locomm.protocol.membership import Heartbeat
+from locomm.protocol.sightings import Sightings
 from locomm.protocol.timing import Limits
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,11 @@ BOOT_ATTEMPTS = 5
 up with a one-line error. Three (6 s) let a restart whose one initial peer was briefly out of reach (its link
 at 1 Mbit/s, its machine frozen: benchmarks/chaos.py) exit 2 where waiting half a minute more would have
 joined."""
+SIGHT_WAIT_S = 2.0
+"""How long a heartbeat read of a peer that is not yet a started member waits for its hellos to identities it has
+not seen alive (they go on in the background up to ``hello.ASK_TIMEOUT_S``): a joiner's first view counts the
+peers that answer within it. A member's reads (one per round) never wait: a newcomer's own hello to it counts
+the newcomer at once, and a dead peer's lingering record would otherwise cost a round start this wait."""
 RELAY_STARTS = 4
 """p2pd starts a ``--reachability public`` peer tries for its full relay service (with one Go thread each start
 has won it in every measured start so far: 22 of 22, docs/results/nat.md)."""
@@ -101,6 +107,12 @@ class Host:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locomm-compute")
         self.codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="locomm-codec")
         self.beats: dict[str, Heartbeat] = {}
+        """The heartbeats of the peers we have seen alive (``sightings``), and our own: all the drivers count."""
+        self.records: dict[str, Heartbeat] = {}
+        """Every heartbeat the last read returned, seen alive or not."""
+        self.sightings = Sightings()
+        self._round_now: int | None = None
+        """Our round as our last heartbeat said, once we are a started, admitted member (what a sighting notes)."""
         self.heartbeat: Callable[[], Heartbeat] | None = None
         """The driver's current heartbeat; None until the driver sets it (then the loop publishes it)."""
         self.on_close: list[Callable[[], Any]] = []
@@ -179,6 +191,7 @@ class Host:
                 on_fault=self.faults.record,
                 shaper=shaper,
             )
+            await hello.serve(self.p2p, self.run_id, self._sighted)
             self.metrics = Metrics(self.opts.metrics_port, self.me, host=self.opts.metrics_host)
         except BaseException as e:
             await self.__aexit__(type(e), e, e.__traceback__)
@@ -478,8 +491,45 @@ class Host:
                 self._pace[b.peer] = (b.round, t, b.round, t)
             elif b.round > pace[2]:
                 self._pace[b.peer] = (pace[0], pace[1], b.round, t)
-        self.beats = {b.peer: b for b in beats}
-        return beats
+        self.records = {b.peer: b for b in beats}
+        self.sightings.keep(self.records, t)
+        await self._sight(b.peer for b in beats)
+        return self._counted()
+
+    def _counted(self) -> list[Heartbeat]:
+        """The records of peers seen alive (and ours) become ``beats``: what every driver counts."""
+        now = time.monotonic()
+        self.beats = {p: b for p, b in self.records.items() if p == self.me or self.sightings.alive(p, now)}
+        return list(self.beats.values())
+
+    def _sighted(self, peer: str) -> None:
+        """A stream from ``peer`` (a hello, or any other service's): it is alive."""
+        self.sightings.saw(peer, time.monotonic(), self._round_now)
+        if peer in self.records and peer not in self.beats:
+            self._counted()
+
+    async def _sight(self, peers: Any) -> None:
+        """Say hello to the identities due (never seen alive, a sighting growing old, a backoff over); until we
+        are a started member, wait ``SIGHT_WAIT_S`` at most for their answers. Answers land when they come."""
+        if self._tg is None:  # the host is stopping: its last reads ask nobody
+            return
+        now = time.monotonic()
+        due = [p for p in peers if p != self.me and self.sightings.due(p, now)]
+        for p in due:
+            self.sightings.asking(p, now, hello.ASK_TIMEOUT_S)
+        asks = [self.spawn(self._hello(p), background=True) for p in due]
+        if asks and self._round_now is None:
+            await asyncio.wait(asks, timeout=SIGHT_WAIT_S)
+
+    async def _hello(self, peer: str) -> None:
+        if await hello.ask(self.p2p, self.run_id, peer):
+            self.sightings.saw(peer, time.monotonic(), self._round_now)
+        else:
+            self.sightings.missed(peer, time.monotonic())
+
+    def since(self) -> dict[str, int]:
+        """Per peer seen alive, our round when we first saw it: no peer is admitted before (``members_for_round``)."""
+        return self.sightings.since()
 
     def observed_round_s(self, peer: str) -> float | None:
         """A peer's seconds per round as we saw its round counter move (None before it moved twice): the
@@ -496,6 +546,7 @@ class Host:
             return
         # The record outlives the membership lag (MEMBER_LAG_ROUNDS rounds), so a peer that died drops out of
         # every peer's member list by its frozen round counter, at the same round, not by a clock.
+        self._round_now = beat.round if beat.started and beat.admitted else None
         ttl = heartbeat_ttl(beat.round_s, self.spec.network.heartbeat_ttl_s)
         await store_heartbeat(self.dht, self.run_id, self.me, beat.record(), ttl)
 
@@ -580,7 +631,9 @@ class Host:
             self._refresh = self.spawn(self.read_beats(), background=True)
 
     async def authorize(self, remote: str, policy: str) -> bool:
-        """The services' authorize hook: members for gossip, any announced peer for state sync and stages."""
+        """The services' authorize hook: members for gossip, any announced peer for state sync and stages. The
+        stream itself shows ``remote`` alive (libp2p checked its key)."""
+        self._sighted(remote)
         known = await self.recheck(lambda: remote in self.beats)
         return known and (policy == "announced" or self.beats[remote].admitted)
 

@@ -239,22 +239,30 @@ def join_cap(established: int) -> int:
     return max(JOIN_CAP_MIN, math.ceil(JOIN_CAP_FRACTION * established))
 
 
-def admission_rounds(beats: Iterable[Heartbeat]) -> dict[str, int]:
-    """The round from which each admitted peer counts as a member: its announced ``join_round``, later when
-    that round's admissions are full (:func:`join_cap`).
+def admission_rounds(beats: Iterable[Heartbeat], since: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The round from which each admitted peer counts as a member: its announced ``join_round``, or the round
+    the reader first saw it alive when that is later (``since``: ``protocol/sightings.py``; an identity
+    backdating its ``join_round`` skipped the cap below), later still when that round's admissions are full
+    (:func:`join_cap`).
 
-    Peers are taken in order of (join_round, sha256 of the peer id) and each gets the first round at or after
-    its join_round with a free slot, so the result is a function of the records alone: every peer that reads
-    the same heartbeats computes the same rounds.
+    Peers are taken in order of (that round, sha256 of the peer id) and each gets the first round at or after
+    it with a free slot, so the result is a function of the records and the sightings: every peer that reads
+    the same heartbeats computes the same rounds for honest joiners, which announce a round after the one they
+    were first seen in.
     """
+    since = since or {}
+
+    def declared(b: Heartbeat) -> int:
+        return max(b.join_round, since.get(b.peer, 0))
+
     order = sorted(
-        (b for b in beats if b.admitted), key=lambda b: (b.join_round, hashlib.sha256(b.peer.encode()).digest())
+        (b for b in beats if b.admitted), key=lambda b: (declared(b), hashlib.sha256(b.peer.encode()).digest())
     )
     used: dict[int, int] = {}
     assigned: list[int] = []  # effective rounds so far, sorted
     out: dict[str, int] = {}
     for b in order:
-        r = b.join_round
+        r = declared(b)
         while used.get(r, 0) >= join_cap(bisect.bisect_left(assigned, r)):
             r += 1
         used[r] = used.get(r, 0) + 1
@@ -284,7 +292,12 @@ def may_still_pull(b: Heartbeat | None, last: int, now: float, ttl: float) -> bo
 
 
 def members_for_round(
-    beats: Iterable[Heartbeat], round_idx: int, me: str, fresh_s: float = 0.0, now: float = 0.0
+    beats: Iterable[Heartbeat],
+    round_idx: int,
+    me: str,
+    fresh_s: float = 0.0,
+    now: float = 0.0,
+    since: Mapping[str, int] | None = None,
 ) -> list[str]:
     """The members of round r, from a snapshot every peer reads alike.
 
@@ -299,10 +312,11 @@ def members_for_round(
     A peer that left (``finished``, its final heartbeat) or was paused is a member of no round from its last
     published one on: it exchanged up to the round before. ``me`` is always included (a peer not yet admitted
     trains alone, and nobody expects it). An island's members other than its representative take part in no
-    round: the island is one participant.
+    round: the island is one participant. ``since``: the round the reader first saw each peer alive
+    (:func:`admission_rounds`); ``beats`` are those of peers it has seen alive (``peer/host.py``).
     """
     beats = list(beats)
-    admitted = admission_rounds(beats)
+    admitted = admission_rounds(beats, since)
     members = {
         h.peer
         for h in beats

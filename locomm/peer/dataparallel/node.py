@@ -542,6 +542,7 @@ class Node:
                 host.me,
                 fresh_s=self.spec.network.heartbeat_ttl_s,
                 now=host.dht_now(),
+                since=host.since(),
             )
             t_plan = time.perf_counter()
             planned = await host.compute(self.rounds.start, self.round, members, self._sent_params())

@@ -39,7 +39,12 @@ class Partners:
         """The members of ``round_idx`` from the heartbeats we hold."""
         host = self.host
         return members_for_round(
-            host.beats.values(), round_idx, host.me, fresh_s=self.spec.network.heartbeat_ttl_s, now=host.dht_now()
+            host.beats.values(),
+            round_idx,
+            host.me,
+            fresh_s=self.spec.network.heartbeat_ttl_s,
+            now=host.dht_now(),
+            since=host.since(),
         )
 
     async def admit(self, remote: str, round_idx: int) -> bool:

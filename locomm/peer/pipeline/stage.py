@@ -471,7 +471,9 @@ class Stage:
             # nobody waits out max_wait_s for its payload.
             net = self.spec.network
             beats = live(host.beats.values(), host.dht_now(), 3 * net.heartbeat_interval_s, stage=self.stage)
-            members = members_for_round(beats, r, host.me, fresh_s=net.heartbeat_ttl_s, now=host.dht_now())
+            members = members_for_round(
+                beats, r, host.me, fresh_s=net.heartbeat_ttl_s, now=host.dht_now(), since=host.since()
+            )
             planned = await host.compute(self.rounds.start, r, members, self.params())
             self.members, self.partners = len(members), len(planned.exchange.peers)
             host.events.write("replica_sync", stage=self.stage, round=r, member_ids=members, partners=self.partners)

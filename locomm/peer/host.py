@@ -203,8 +203,9 @@ class Host:
         (an initial peer on a slow link, or dying, fails p2pd's bootstrap or DHT's ping back), then it is a
         one-line error, not a traceback."""
         for attempt in range(BOOT_ATTEMPTS):
+            p2p: P2P | None = None  # this attempt's, once it started (a p2pd that failed to start is gone)
             try:
-                self.p2p = await self._start_p2p(boot or initial, initial)
+                self.p2p = p2p = await self._start_p2p(boot or initial, initial)
                 self._p2pd_record = leftovers.record(self.p2p)  # removed on exit, or by the next start after a kill
                 self.me = self.p2p.peer_id.to_base58()
                 self.validator = SwarmValidator(load_identity(self.identity), swarm_key=self.swarm_key)
@@ -222,9 +223,10 @@ class Host:
             except Exception as e:  # p2pd's "failed to connect to bootstrap peers", DHT's ValidationError, ...
                 if not initial:
                     raise
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.p2p.shutdown(), 10)
-                leftovers.forget(self._p2pd_record, self.p2p)
+                if p2p is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(p2p.shutdown(), 10)
+                    leftovers.forget(self._p2pd_record, p2p)
                 if attempt + 1 == BOOT_ATTEMPTS or self.stop.is_set():
                     raise ConfigError(f"cannot reach the swarm through --initial-peers: {type(e).__name__}: {e}") from e
                 log.warning("reaching the swarm failed (%s: %s); again in %d s", type(e).__name__, e, 2 << attempt)

@@ -56,3 +56,28 @@ async def test_a_background_error_is_logged_and_a_task_error_stops_the_host(capl
 
             host.spawn(bug())
             await host.sleep(30)  # cancelled when the task fails
+
+
+async def test_an_initial_peer_out_of_reach_is_tried_again_then_one_error(monkeypatch, tmp_path):
+    """p2pd fails to start when no --initial-peer answers: the attempt is retried, then a ConfigError (the
+    one-line error `join` prints), never a crash of the retry path (it reached for the P2P that never started:
+    an AttributeError and a traceback, seen when a joiner's initial peer had just left)."""
+    import socket
+
+    from hivemind.p2p import P2P
+
+    from locomm.config import ConfigError
+    from locomm.peer import host as host_module
+    from locomm.peer.transport.records import SwarmValidator, load_identity
+
+    monkeypatch.setattr(host_module, "BOOT_ATTEMPTS", 2)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ident = tmp_path / "gone.id"
+    P2P.generate_identity(str(ident))
+    gone = SwarmValidator(load_identity(ident)).peer_id
+    opts = NodeOptions(initial_peers=(f"/ip4/127.0.0.1/tcp/{port}/p2p/{gone}",))
+    with pytest.raises(ConfigError, match="cannot reach the swarm through --initial-peers"):
+        async with Host(_spec(), opts):
+            pass

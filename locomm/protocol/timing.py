@@ -230,6 +230,8 @@ class PartnerWait:
     """Why nothing will come ("refused", "gone", "not served"), '' while something may."""
     last_pull: float = -math.inf
     pulling: bool = False
+    moved: bool = False
+    """Some of its payload came our way this round (a push or pull stream of it began)."""
 
     def decide(self, now: float, *, moving: bool) -> str:
         """What to do now: "wait", "pull", "drop" (nothing will come: stop without a deadline) or "give up"."""
@@ -248,3 +250,38 @@ class PartnerWait:
         """The next instant ``decide`` may answer differently with no event in between."""
         times = [self.give_up, self.due, self.last_pull + PULL_RETRY_S]  # -inf + retry: never pulled, never next
         return min([t for t in times if t > now], default=self.give_up)
+
+
+BROKEN_PROMISES = 3
+"""Rounds in a row a partner may be planned, waited for and deliver nothing before that is a fault."""
+
+
+class Promises:
+    """Partners that keep promising a payload and delivering none.
+
+    A partner in our plan promises its payload by its ETA (its heartbeat: a round in progress, a pace, an
+    upload rate, clamped to what we observed). One that then sends nothing at all, no push begun and no pull
+    served, while it is not gone and did not refuse us, broke that promise. ``BROKEN_PROMISES`` of them in a
+    row are a fault (``Faults``: bans follow faults), and the count starts again; any round in which something
+    of its payload moved resets it (the caller leaves out a partner it could not dial: a dead process, a lost
+    route). So a slow partner on a fair share of a busy link (its payload moving, late)
+    or a partner that left, paused or sees other groups than ours (it refused our push) is never one, while an
+    identity that answers hellos and heartbeats and never sends costs each peer that plans with it
+    ``BROKEN_PROMISES`` waits to its ETA per fault instead of one every round for good.
+    """
+
+    def __init__(self, limit: int = BROKEN_PROMISES) -> None:
+        self.limit = limit
+        self.broken: dict[str, int] = {}
+
+    def settle(self, peer: str, wait: PartnerWait, delivered: bool) -> bool:
+        """After a round's wait for ``peer``: whether this round makes it a fault."""
+        if delivered or wait.moved or wait.ended in ("refused", "gone"):
+            self.broken.pop(peer, None)
+            return False
+        n = self.broken.get(peer, 0) + 1
+        if n < self.limit:
+            self.broken[peer] = n
+            return False
+        self.broken.pop(peer, None)
+        return True

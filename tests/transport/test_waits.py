@@ -386,3 +386,50 @@ def test_a_partner_two_rounds_ahead_is_not_waited_for_unless_it_serves_the_round
         assert dt_b < LIMITS.request_timeout_s + LIMITS.stall_timeout_s + 2 * ONE_PAYLOAD_S + 1.0, dt_b
 
     run(body())
+
+
+def test_broken_promises_in_a_row_are_a_fault_and_anything_moving_resets_them():
+    from locomm.protocol.timing import BROKEN_PROMISES, Promises
+
+    p = Promises()
+    nothing = PartnerWait(due=1.0, give_up=2.0)
+    assert [p.settle("x", nothing, False) for _ in range(BROKEN_PROMISES)] == [False] * (BROKEN_PROMISES - 1) + [True]
+    assert not p.settle("x", nothing, False)  # the count starts again
+    slow = PartnerWait(due=1.0, give_up=2.0, moved=True)  # a fair share of a busy link: late, moving
+    for _ in range(BROKEN_PROMISES - 2):
+        assert not p.settle("x", nothing, False)
+    assert not p.settle("x", slow, False) and "x" not in p.broken
+    for why in ("refused", "gone"):  # other groups than ours, or it left: no promise was made
+        assert not any(p.settle("y", PartnerWait(due=1.0, give_up=2.0, ended=why), False) for _ in range(9))
+    for _ in range(BROKEN_PROMISES - 1):
+        p.settle("z", nothing, False)
+    assert not p.settle("z", nothing, True)  # delivered: reset
+
+
+def test_a_partner_that_answers_but_never_sends_is_a_fault_every_few_rounds(pool):
+    """C is alive (its gossip service answers, it takes B's pushes) and in B's plan, and never exchanges: every
+    round B pulls at C's ETA, is answered "not served", and goes on. After BROKEN_PROMISES such rounds, a fault
+    (three faults ban C: then B skips it without waiting). A partner whose payload moves, slowly, is never one."""
+    from locomm.protocol.timing import BROKEN_PROMISES
+
+    async def body():
+        net = FakeNet()
+        b, c = await peer(net, B, pool), await peer(net, C, pool)
+        for r in range(BROKEN_PROMISES * 3):
+            got, dt = await exchange(b, r, [C], r, eta_s=5.0)
+            assert got == {} and dt < 5.0 + PULL_RETRY_S + 1.0, (r, dt)
+            b.advance(r + 1)
+            c.advance(r + 1)  # it keeps up (and takes our pushes), it just never sends
+        assert b.faults.count[C] == 3 and C in b.faults.banned and b.stats.broken_promises == 3
+        got, dt = await exchange(b, BROKEN_PROMISES * 3, [C], 0, eta_s=5.0)
+        assert got == {} and dt < 0.5  # banned: not waited for
+
+        slow = FakeNet(rate=RATE / 20)  # a partner whose payload is moving, late: given up on, never a fault
+        b2, c2 = await peer(slow, B, pool), await peer(slow, C, pool)
+        for r in range(BROKEN_PROMISES + 1):
+            await asyncio.gather(exchange(b2, r, [C], r, eta_s=1.0), exchange(c2, r, [B], r + 100, eta_s=1.0))
+            b2.advance(r + 1)
+            c2.advance(r + 1)
+        assert b2.faults.total == 0 and b2.stats.broken_promises == 0
+
+    run(body())

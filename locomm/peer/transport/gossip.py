@@ -74,7 +74,7 @@ from locomm.protocol.messages import (
     validate_transfer,
 )
 from locomm.protocol.rounds import RECEIVE_WINDOW  # payload buffers only for rounds this close to ours
-from locomm.protocol.timing import PartnerWait, ema, give_up_at, serve_until
+from locomm.protocol.timing import PartnerWait, Promises, ema, give_up_at, serve_until
 
 __all__ = ["Faults", "Gossip", "GossipStats", "Incoming", "Outgoing"]
 
@@ -132,6 +132,8 @@ class Gossip:
         self.unreachable: dict[int, set[str]] = defaultdict(set)
         self.pull_hints: dict[int, set[str]] = defaultdict(set)
         self.stats = GossipStats()
+        self.promises = Promises()
+        """Partners that keep promising payloads and sending none (a fault every ``BROKEN_PROMISES`` rounds)."""
         self._decode_part = timed(codec.decode_part, self.stats, "decode_s")
         self.admit = admit
         """(sender, round) -> may it push to us (the node's: one of that round's partners)."""
@@ -480,6 +482,10 @@ class Gossip:
         self.settled.add(round_idx)
         self.stats.exchanges_ok += len(got)
         self.stats.exchanges_failed += len(peers) - len(got)
+        for p in peers:  # one we cannot dial is gone or cut off from us, not lying: its heartbeat will say
+            if p not in self.unreachable.get(round_idx, ()) and self.promises.settle(p, waits[p], p in got):
+                self.stats.broken_promises += 1
+                self.faults.record(p, f"planned for {self.promises.limit} rounds in a row, sent nothing by its ETA")
         if got:
             self.stats.last_exchange = time.time()
         if missing := ", ".join(m[-8:] for m in set(peers) - set(got)):
@@ -499,6 +505,7 @@ class Gossip:
                 w.ended = w.ended or "not served"
         inc = self.incoming.get((p, round_idx))
         moving = inc is not None and inc.active > 0 and now - inc.last_progress < self.limits.stall_timeout_s
+        w.moved = w.moved or inc is not None
         w.broken = (p, round_idx) in self.broken and not moving
         w.hinted = p in self.pull_hints.get(round_idx, ()) or (self.serves is not None and self.serves(p, round_idx))
         if not (w.ended or moving or w.hinted) and self.gone is not None and self.gone(p, round_idx):

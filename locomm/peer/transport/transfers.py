@@ -39,6 +39,8 @@ class GossipStats:
     """Partner-rounds we stopped waiting for at their deadline (their payload never came)."""
     gave_up_on: list[tuple[int, str]] = field(default_factory=list)
     """Those (round, partner) pairs."""
+    broken_promises: int = 0
+    """Faults recorded for partners planned BROKEN_PROMISES rounds in a row that sent nothing (protocol/timing)."""
     gone_skipped: int = 0
     """Partner-rounds we stopped waiting for because the partner had left (its final heartbeat said so)."""
     last_exchange: float = 0.0

@@ -2,7 +2,8 @@
 
 Every record is checked as a peer checks it (``peer/transport/records.py``): the spec is the one the peers named in
 --initial-peers signed, and only heartbeats whose signature (and, with --swarm-key, admission) verifies
-are listed.
+are listed; each listed peer is asked a hello, and one that does not answer shows "no answer" (the peers count
+only identities they have seen alive: ``protocol/sightings.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 STALE_AFTER_S = 15.0
+HELLO_S = 5.0
+"""How long a peer has to answer status's hello (``peer/transport/hello.py``) before it shows "no answer"."""
 
 
 def unnamed(initial_peers: list[str]) -> str | None:
@@ -97,6 +100,7 @@ class SwarmReader:
     async def read(self) -> dict[str, Any]:
         from hivemind.utils import get_dht_time  # noqa: PLC0415
 
+        from locomm.peer.transport import hello  # noqa: PLC0415
         from locomm.peer.transport.swarm import read_heartbeats  # noqa: PLC0415
 
         if (error := await self.find_spec()) is not None:
@@ -106,11 +110,15 @@ class SwarmReader:
         run_id = spec["hash"][:16]
         beats = await read_heartbeats(self.dht, run_id)
         now = get_dht_time()
+        # A heartbeat is a signed record anyone with a key can store; whether a p2pd answers for it is what
+        # the peers themselves count by (protocol/sightings.py): ask each, as they do.
+        answers = await asyncio.gather(*(hello.ask(self.p2p, run_id, b.peer, HELLO_S) for b in beats))
         peers = []
-        for b in beats:
+        for b, answered in zip(beats, answers, strict=True):
             peers.append(
                 {
                     "peer": b.peer,
+                    "answers": answered,
                     "round": b.round,
                     "join_round": b.join_round,
                     "admitted": b.admitted,
@@ -122,7 +130,9 @@ class SwarmReader:
                     "last_exchange_s_ago": (time.time() - b.last_exchange) if b.last_exchange else None,
                     "heartbeat_age_s": now - (b.time or now),
                     "version": b.version,
-                    "state": "left" if b.finished else "paused" if b.paused else "training",
+                    "state": (
+                        "left" if b.finished else "paused" if b.paused else "training" if answered else "no answer"
+                    ),
                     "eta_s": b.eta_s,
                     "island": b.island or None,
                     "island_rep": b.island_rep,

@@ -211,6 +211,7 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
         view = json.loads(status.stdout.strip().splitlines()[-1])
         assert view["run"] == run and [p["peer"] for p in view["peers"]] == [target]
         assert view["peers"][0]["round"] >= 1 and view["peers"][0]["loss"] is not None
+        assert view["peers"][0]["answers"] and view["peers"][0]["state"] == "training"  # it answered a hello
         from locomm.model import build_model
 
         shapes = {n: tuple(p.shape) for n, p in build_model(spec.model).named_parameters()}

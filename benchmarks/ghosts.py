@@ -45,7 +45,7 @@ def spec_file(folder: Path) -> tuple[Path, RunSpec]:
     spec = (
         RunSpec.preset("nano")
         .replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
-        .replace("outer", algo="noloco", inner_steps=20)
+        .replace("outer", algo="noloco", inner_steps=50)  # rounds of ~1 s: the joiner meets a swarm still running
         .replace("train", steps=100_000, eval_batches=2, eval_interval=0)
         .replace("network", heartbeat_interval_s=1.0, heartbeat_ttl_s=10.0)
     )
@@ -157,6 +157,7 @@ def run_swarm(folder: Path, args: Any, ghosts: int) -> dict[str, Any]:
                     "exchanges_failed": fin.get("exchanges_failed"),
                     "wait_s": fin.get("wait_s"),
                     "faults": fin.get("faults"),
+                    "final_loss": fin.get("final_loss"),
                     "ghosts_counted": ghosts_counted,
                 }
             )
@@ -174,10 +175,10 @@ def run_swarm(folder: Path, args: Any, ghosts: int) -> dict[str, Any]:
                 "sync": synced[0] if synced else None,
                 "first_round": jrounds[0].get("round") if jrounds else None,
                 "rounds": len(jrounds),
+                "final_loss": (joiner.events("finished") or [{}])[0].get("final_loss"),
                 "ghosts_counted": sum(1 for e in jrounds for m in e.get("member_ids", []) if m in ghost_ids),
             }
-            if joiner.poll():
-                out["joiner"]["tail"] = joiner.tail()[-2000:]
+            out["joiner"]["tail"] = joiner.tail()[-1500:]
     return out
 
 
@@ -188,15 +189,21 @@ def main() -> int:
     ap.add_argument("--far", type=int, default=3, help="Ghosts claiming round 10^9")
     ap.add_argument("--join-at", type=int, default=10, help="Honest round at which a fourth peer joins")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--keep", type=Path, help="Keep the peers' logs in this folder (default: a temporary one)")
+    ap.add_argument("--only", choices=["clean", "haunted"], help="Run one of the two swarms")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.ghosts, args.far, args.join_at = 30, 8, 2, 4
     result: dict[str, Any] = {"bench": "ghosts", "rounds": args.rounds, "peers": PEERS, "far": args.far}
     with tempfile.TemporaryDirectory(prefix="locomm-ghosts-") as tmp:
-        result["clean"] = run_swarm(Path(tmp) / "clean", args, 0)
-        result["haunted"] = run_swarm(Path(tmp) / "haunted", args, args.ghosts)
+        folder = args.keep or Path(tmp)
+        for name, n in (("clean", 0), ("haunted", args.ghosts)):
+            if args.only in (None, name):
+                result[name] = run_swarm(folder / name, args, n)
     _harness.write_json(args.out, result)
     for name in ("clean", "haunted"):
+        if name not in result:
+            continue
         r = result[name]
         print(
             f"{name}: wall {r['wall_s']} s, round wall median {r['round_wall_s']['median']} s max "

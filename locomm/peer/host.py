@@ -505,9 +505,15 @@ class Host:
         return list(self.beats.values())
 
     def _sighted(self, peer: str) -> None:
-        """A stream from ``peer`` (a hello, or any other service's): it is alive."""
+        """A stream from ``peer`` (a hello, or any other service's): it is alive. Only identities whose heartbeat
+        we hold are noted (identities are cheap to make; the records are what the validator lets in): for
+        another, a heartbeat read soon, whose own hello to it will note it."""
+        if peer not in self.records:
+            if self._tg is not None:
+                self.refresh_soon()
+            return
         self.sightings.saw(peer, time.monotonic(), self._round_now)
-        if peer in self.records and peer not in self.beats:
+        if peer not in self.beats:
             self._counted()
 
     async def _sight(self, peers: Any) -> None:
@@ -635,9 +641,10 @@ class Host:
     async def authorize(self, remote: str, policy: str) -> bool:
         """The services' authorize hook: members for gossip, any announced peer for state sync and stages. The
         stream itself shows ``remote`` alive (libp2p checked its key)."""
+        if not await self.recheck(lambda: remote in self.records):
+            return False
         self._sighted(remote)
-        known = await self.recheck(lambda: remote in self.beats)
-        return known and (policy == "announced" or self.beats[remote].admitted)
+        return remote in self.beats and (policy == "announced" or self.beats[remote].admitted)
 
     def dht_now(self) -> float:
         return get_dht_time()

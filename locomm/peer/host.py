@@ -518,20 +518,24 @@ class Host:
 
     async def _sight(self, peers: Any) -> None:
         """Say hello to the identities due (never seen alive, a sighting growing old, a backoff over); until we
-        are a started member, wait ``SIGHT_WAIT_S`` at most for their answers. Answers land when they come."""
+        are a started member, wait ``SIGHT_WAIT_S`` at most for the answers of those asked for the first time.
+        Answers land when they come."""
         if self._tg is None:  # the host is stopping: its last reads ask nobody
             return
         now = time.monotonic()
         due = [p for p in peers if p != self.me and self.sightings.due(p, now)]
+        first = [p not in self.sightings for p in due]
         for p in due:
             self.sightings.asking(p, now, hello.ASK_TIMEOUT_S)
         asks = [self.spawn(self._hello(p), background=True) for p in due]
-        if asks and self._round_now is None:
-            await asyncio.wait(asks, timeout=SIGHT_WAIT_S)
+        waited = [a for a, new in zip(asks, first, strict=True) if new]  # a dead peer's record costs one wait
+        if waited and self._round_now is None:
+            await asyncio.wait(waited, timeout=SIGHT_WAIT_S)
 
     async def _hello(self, peer: str) -> None:
         if await hello.ask(self.p2p, self.run_id, peer):
             self.sightings.saw(peer, time.monotonic(), self._round_now)
+            self._counted()  # counted from now, not from the next read
         else:
             self.sightings.missed(peer, time.monotonic())
 

@@ -51,6 +51,10 @@ class Sightings:
     def __len__(self) -> int:
         return len(self._seen)
 
+    def __contains__(self, peer: object) -> bool:
+        """Whether ``peer`` was ever seen or asked (and not forgotten since)."""
+        return peer in self._seen
+
     def saw(self, peer: str, now: float, round_now: int | None) -> None:
         """``peer`` proved itself alive at ``now`` (it answered our probe, or opened a stream to us); this peer was
         in ``round_now`` then (None before it has a round of its own: a joiner's first view clamps nobody)."""
@@ -73,6 +77,11 @@ class Sightings:
     def alive(self, peer: str, now: float) -> bool:
         s = self._seen.get(peer)
         return s is not None and now - s.last < ALIVE_S
+
+    def unanswered(self, peer: str) -> bool:
+        """Whether our last hello to ``peer`` went unanswered (it waits out a backoff)."""
+        s = self._seen.get(peer)
+        return s is not None and s.backoff > 0
 
     def due(self, peer: str, now: float) -> bool:
         """Whether to ask ``peer`` now: never asked, its sighting growing old, or its backoff over. The caller

@@ -134,13 +134,15 @@ def test_three_peers_join_and_kill(tmp_path, launcher):
     assert joined["initial_loss"] < peers[0].events("finished")[0]["initial_loss"] - 1.0
     assert joined["final_loss"] < joined["initial_loss"] + 0.05
 
-    # Gossip pulls peers together: far closer than two workers trained alone on their shards.
+    # Gossip pulls peers together: far closer than two workers trained alone on their shards, even alone for a
+    # ninth of the run's steps (measured: alone they drift apart monotonically, 30.5 after 150 steps, 53.0 after
+    # the run's 1350, against 0.007 between the survivors; the full 1350 cost the suite 23 s).
     dist = max(float((flat(a.weights) - flat(b.weights)).norm()) for a in survivors for b in survivors if a is not b)
     spec = RunSpec.load(cfg)
     splits = load_corpus(spec.data)
     alone = [Trainer(spec, splits=splits, worker_id=i, num_workers=4) for i in (0, 2)]
     for t in alone:
-        for _ in range(rounds * spec.outer.inner_steps):
+        for _ in range(rounds * spec.outer.inner_steps // 9):
             t.train_step()
     apart = float(
         (

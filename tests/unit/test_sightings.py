@@ -33,7 +33,9 @@ def test_a_ghost_is_asked_again_after_a_doubling_wait_up_to_a_bound():
         t = nxt
     assert waits[0] == BACKOFF_S[0] and waits[-1] == BACKOFF_S[1]
     assert all(b >= a for a, b in zip(waits, waits[1:], strict=False))
-    assert not s.alive("ghost", t) and s.since() == {}
+    assert not s.alive("ghost", t) and s.since() == {} and s.unanswered("ghost")
+    s.saw("ghost", t, 4)  # it answers after all (a NATed peer whose relay slot came late)
+    assert s.alive("ghost", t) and not s.unanswered("ghost")
 
 
 def test_a_joiners_first_view_clamps_nobody_and_a_read_missing_a_member_forgets_nothing():
@@ -71,3 +73,10 @@ def test_backdated_identities_are_admitted_from_the_round_first_seen_under_the_c
     assert per_round == {40: JOIN_CAP_MIN, 41: 24 - JOIN_CAP_MIN}
     members = members_for_round(beats, 40, "f0", since=since)
     assert len(members) == 3 + JOIN_CAP_MIN
+
+
+def test_an_identity_is_known_once_asked_or_seen():
+    s = Sightings()
+    assert "a" not in s
+    s.asking("a", 0.0, 10.0)
+    assert "a" in s and not s.alive("a", 0.0)

@@ -118,7 +118,22 @@ def _watch_parent(ppid: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _child_signals() -> None:
+    """A fork child's signals, apart from its parent's: the parent's event loop handles SIGINT and SIGTERM by
+    writing the signal number into its wakeup socket, and a fork inherits both the handlers and that socket. A
+    child then ignored SIGTERM (hivemind's ``terminate()`` of its DHT did nothing: a DiLoCo peer's exit hung for
+    good on multiprocessing's join of that child, seen once in a suite run), and each signal it got reached the
+    parent's loop a second time (one Ctrl-C read as two: "leave at once"). So: SIGTERM as the default (it ends
+    the child), SIGINT ignored (the parent stops its helpers; a terminal's Ctrl-C is the parent's), no wakeup fd."""
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _after_fork(_: object) -> None:
+    _child_signals()
     ppid = _forker["pid"] or os.getppid()
     if _forker["main"]:
         set_pdeathsig(signal.SIGKILL)

@@ -37,6 +37,8 @@ import torch
 from locomm.protocol.defence import GROUP_MEAN
 
 log = logging.getLogger(__name__)
+SHUTDOWN_JOIN_S = 5.0
+"""How long the averager's and its DHT's processes get to end after hivemind's shutdown, before a kill."""
 
 
 class AveragerExchange:
@@ -110,8 +112,16 @@ class AveragerExchange:
         return {GROUP_MEAN: mean}, group - 1, int(2 * nbytes * (group - 1) / max(1, group))
 
     def shutdown(self) -> None:
+        """hivemind's shutdowns, then a bounded end for each helper process: a child still alive after
+        ``terminate()`` is killed, since multiprocessing joins every child at exit, without a bound."""
         self.averager.shutdown()
         self.dht.shutdown()
+        for proc in (self.averager, self.dht):
+            proc.join(SHUTDOWN_JOIN_S)
+            if proc.is_alive():
+                log.warning("%s did not stop; killing it", type(proc).__name__)
+                proc.kill()
+                proc.join(SHUTDOWN_JOIN_S)
 
 
 def _with_port(maddr: str, port: int) -> str:

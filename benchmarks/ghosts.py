@@ -210,7 +210,7 @@ def main() -> int:
             f"{r['round_wall_s']['max']} s, most members {r['most_members']}, ghosts counted "
             f"{r['ghosts_ever_counted']}, exchanges {[p['exchanges_ok'] for p in r['peers']]}, network wait "
             f"{[round(p['wait_s'] or 0, 1) for p in r['peers']]} s, joiner "
-            f"{r.get('joiner')}",
+            f"{ {k: v for k, v in (r.get('joiner') or {}).items() if k != 'tail'} }",
             flush=True,
         )
     return 0

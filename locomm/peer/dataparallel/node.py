@@ -51,7 +51,6 @@ from locomm.protocol.membership import (
     NOT_ADMITTED,
     Heartbeat,
     islands_led,
-    members_for_round,
     state_donors,
     swarm_round,
 )
@@ -536,14 +535,8 @@ class Node:
                 continue
             # Bans are not applied here: every peer must derive the same groups; a banned or unreachable
             # partner is skipped at exchange time instead.
-            members = members_for_round(
-                await host.read_beats(),
-                self.round,
-                host.me,
-                fresh_s=self.spec.network.heartbeat_ttl_s,
-                now=host.dht_now(),
-                since=host.since(),
-            )
+            await host.read_beats()
+            members = self.roster.members(self.round)  # from the heartbeats just read
             t_plan = time.perf_counter()
             planned = await host.compute(self.rounds.start, self.round, members, self._sent_params())
             self.parts_s["plan_s"] = time.perf_counter() - t_plan

@@ -148,7 +148,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 K_DIR = _harness.results_path("pipeline_k")
 FORM_HELP = (
-    "plain or plain_bn (no subspace), unsplit (locomm.train), or project / reparam (pipeline.subspace_form) / "
+    "plain or plain_bn (no subspace), unsplit (locomm.train; unsplit_untied with the stages' untied head), or project / reparam (pipeline.subspace_form) / "
     "init (E_f and an init in span(U), then unconstrained with h whole on the wire: the diagnosis), each optionally "
     "followed by "
     "_std<x> (pipeline.fixed_embed_std) and _bn (pipeline.branch_norm), e.g. reparam_std0.005_bn"
@@ -158,7 +158,7 @@ FORM_HELP = (
 def parse_form(form: str) -> tuple[bool, dict[str, Any]]:
     """(subspace, pipeline options) of a form name (``FORM_HELP``)."""
     base, *mods = form.split("_")
-    if base == "unsplit" and not mods:
+    if base == "unsplit" and mods in ([], ["untied"]):  # untied: the stages' own head on the unsplit model
         return False, {}
     if base == "plain":  # the uncompressed pipeline, in the same block form when _bn
         if mods not in ([], ["bn"]):
@@ -190,6 +190,8 @@ def k_spec(d: int, k: int, form: str, seed: int, steps: int, layers: int, seq: i
     spec = spec.replace("data", seq_len=seq, batch_size=8)
     spec = spec.replace("train", steps=steps, eval_batches=8, eval_interval=0, seed=seed)
     spec = spec.replace("compression", activation=CODEC, act_gradient=CODEC, subspace_rate=max(1, d // max(k, 1)))
+    if form == "unsplit_untied":
+        spec = spec.replace("model", tie_embeddings=False)
     subspace, opts = parse_form(form)
     return spec.replace("pipeline", stages=2, micro_batch_size=4, in_flight=1, subspace=subspace, **opts)
 
@@ -274,7 +276,7 @@ def k_run(d: int, k: int, form: str, seed: int, steps: int, layers: int, seq: in
         return path
     spec = k_spec(d, k, form, seed, steps, layers, seq)
     t0 = time.perf_counter()
-    if form == "unsplit":
+    if form.startswith("unsplit"):
         from locomm.train import train  # noqa: PLC0415
 
         r = train(spec)
@@ -305,7 +307,7 @@ def k_table(rows: list[dict[str, Any]], within: float = 0.03) -> str:
     for r in rows:
         key = (r["d_model"], r["layers"], r["steps"], r["seq_len"], r["form"])
         groups.setdefault(key, {}).setdefault(r["k"], []).append(r)
-    base_forms = ("plain", "plain_bn", "unsplit")
+    base_forms = ("plain", "plain_bn", "unsplit", "unsplit_untied")
     out = []
     for setting in sorted({g[:4] for g in groups}):
 
@@ -318,7 +320,7 @@ def k_table(rows: list[dict[str, Any]], within: float = 0.03) -> str:
         for f in base_forms:
             v, n = cell(f)
             extra = ""
-            if f != "unsplit" and n:
+            if not f.startswith("unsplit") and n:
                 extra = f", {cell(f, None, 'bytes_per_token_per_boundary')[0]:.1f} B/token/boundary fwd + bwd"
             out.append(f"- {f}: {v:.4f} (seeds: {n}){extra}" if n else f"- {f}: not run")
         ks = sorted({k for g, by in groups.items() if g[:4] == setting for k in by if k is not None})

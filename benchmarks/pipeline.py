@@ -148,7 +148,8 @@ def table(results: list[dict[str, Any]]) -> str:
 
 K_DIR = _harness.results_path("pipeline_k")
 FORM_HELP = (
-    "plain or plain_bn (no subspace), unsplit (locomm.train; unsplit_untied with the stages' untied head), or project / reparam (pipeline.subspace_form) / "
+    "plain or plain_bn (no subspace), unsplit (locomm.train; unsplit_untied with the stages' untied head), "
+    "or project / reparam (pipeline.subspace_form) / "
     "init (E_f and an init in span(U), then unconstrained with h whole on the wire: the diagnosis), each optionally "
     "followed by "
     "_std<x> (pipeline.fixed_embed_std) and _bn (pipeline.branch_norm), e.g. reparam_std0.005_bn"

@@ -14,11 +14,13 @@ Notable:
   - ``locomm.<run>.peers`` (after :meth:`SwarmValidator.set_run`): dictionary subkey records only (a
     plain value would hide every heartbeat), the subkey is the signer's own peer id, the value parses
     as a :class:`~locomm.protocol.membership.Heartbeat`, and the expiration is at most now + 2x the
-    heartbeat's TTL (:func:`heartbeat_ttl`) + ``MAX_CLOCK_SKEW_S`` (the writer's clock may be that far
-    ahead of the reader's: an NTP step; without it a peer 30 s ahead could publish nothing anyone
-    stored, and newcomers joining through it found no spec: benchmarks/chaos.py's clock_step);
+    heartbeat's TTL (:func:`heartbeat_ttl`) + 2 x ``MAX_CLOCK_SKEW_S``: writers add ``MAX_CLOCK_SKEW_S`` to
+    every lifetime (``transport/swarm.py``), so a record lives its TTL for readers up to that far either side of
+    its writer's clock (an NTP step; a peer 30 s ahead published nothing anyone stored, one 30 s behind only
+    records every reader had expired, and newcomers joining through either found no spec:
+    benchmarks/chaos.py's clock_step);
   - ``locomm.spec.<peer id>``: a regular value {hash, toml, version, closed} signed by that peer,
-    expiring at most now + 2 x SPEC_TTL_S + ``MAX_CLOCK_SKEW_S``. A record at the spec key of a peer this
+    expiring at most now + 2 x SPEC_TTL_S + 2 x ``MAX_CLOCK_SKEW_S``. A record at the spec key of a peer this
     node knows (itself, its initial peers, any peer whose record verified) signed by anyone else is refused;
   - ``locomm.swarm.<swarm id>`` (certificate mode, the swarm id of this node's founder): the same spec
     value, one dictionary subkey per member, the subkey the signer's own peer id; so a joiner that holds a
@@ -455,7 +457,7 @@ class SwarmValidator(RecordValidatorBase):
         beat = Heartbeat.parse(signer, MSGPackSerializer.loads(value), record.expiration_time)
         if beat is None:
             return False
-        return record.expiration_time <= self.clock() + 2 * heartbeat_ttl(beat.round_s, ttl_s) + MAX_CLOCK_SKEW_S
+        return record.expiration_time <= self.clock() + 2 * heartbeat_ttl(beat.round_s, ttl_s) + 2 * MAX_CLOCK_SKEW_S
 
     def _spec_ok(self, record: DHTRecord, value: bytes) -> bool:
         v = MSGPackSerializer.loads(value)
@@ -467,4 +469,4 @@ class SwarmValidator(RecordValidatorBase):
             and isinstance(v.get("closed"), bool)
         ):
             return False
-        return record.expiration_time <= self.clock() + 2 * SPEC_TTL_S + MAX_CLOCK_SKEW_S
+        return record.expiration_time <= self.clock() + 2 * SPEC_TTL_S + 2 * MAX_CLOCK_SKEW_S

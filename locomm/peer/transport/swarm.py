@@ -29,7 +29,7 @@ from hivemind.utils import get_dht_time
 from locomm import PROTOCOL_VERSION
 from locomm.config import RunSpec
 from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, peers_key, spec_key, swarm_spec_key
-from locomm.protocol.membership import MEMBER_LAG_ROUNDS, Heartbeat, members_for_round, pick_stage
+from locomm.protocol.membership import MAX_CLOCK_SKEW_S, MEMBER_LAG_ROUNDS, Heartbeat, members_for_round, pick_stage
 
 __all__ = [
     "MEMBER_LAG_ROUNDS",
@@ -67,7 +67,7 @@ async def publish_spec(
     """Store the spec ``peer`` (this node) runs under its own key (the DHT's validator signs it), marked closed
     when it runs with a swarm ``key``; with a certificate also under the swarm's key, subkey ``peer``."""
     value = {"hash": spec.hash(), "toml": spec.to_toml(), "version": PROTOCOL_VERSION, "closed": key is not None}
-    expires = get_dht_time() + ttl
+    expires = get_dht_time() + ttl + MAX_CLOCK_SKEW_S  # lives ttl for a reader whose clock is that far ahead
     ok = await dht.store(spec_key(peer), value, expiration_time=expires)
     if key is not None and key.swarm_id is not None:
         ok = await dht.store(swarm_spec_key(key.swarm_id), subkey=peer, value=value, expiration_time=expires) and ok
@@ -143,9 +143,12 @@ async def fetch_swarm_specs(dht: DHTNode, swarm_id: str) -> dict[str, dict[str, 
 
 
 async def store_heartbeat(dht: DHTNode, run_id: str, peer: str, record: dict[str, Any], ttl: float) -> bool:
-    """Store ``record`` (usually ``Heartbeat.record()``) as ``peer``'s heartbeat, stamped with the DHT time."""
+    """Store ``record`` (usually ``Heartbeat.record()``) as ``peer``'s heartbeat, stamped with the DHT time; it
+    expires ``MAX_CLOCK_SKEW_S`` after ``ttl``, so it lives ``ttl`` for readers whose clock is up to that far ahead
+    of ours (a writer 30 s behind with a 12 s TTL stored records every reader had already expired)."""
     now = get_dht_time()
-    return await dht.store(peers_key(run_id), subkey=peer, value={**record, "time": now}, expiration_time=now + ttl)
+    expires = now + ttl + MAX_CLOCK_SKEW_S
+    return await dht.store(peers_key(run_id), subkey=peer, value={**record, "time": now}, expiration_time=expires)
 
 
 async def read_heartbeats(dht: DHTNode, run_id: str) -> list[Heartbeat]:

@@ -349,6 +349,37 @@ def k_table(rows: list[dict[str, Any]], within: float = 0.03) -> str:
     return "\n".join(out)
 
 
+def control_table(rows: list[dict[str, Any]], form: str = "project_std1_bn", control: str = "init_std1_bn") -> str:
+    """Markdown per setting and k where both ran: ``form`` against the same form unconstrained (``control``, h
+    whole on the wire), paired by seed, beside the plain pipeline and the untied unsplit model."""
+    by: dict[tuple[Any, ...], dict[int, float]] = {}
+    for r in rows:
+        key = (r["d_model"], r["layers"], r["steps"], r["seq_len"], r["form"], r["k"])
+        by.setdefault(key, {})[r["seed"]] = r["final_val_loss"]
+
+    def mean(xs: list[float]) -> str:
+        m = sum(xs) / len(xs)
+        sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else math.nan
+        return f"{m:.4f}" + (f" +- {sd:.4f}" if math.isfinite(sd) else "")
+
+    out = ["| setting | k | n | subspace | same form, unconstrained | per seed | plain | unsplit (untied) |"]
+    out.append("|---|---|---|---|---|---|---|---|")
+    for key in sorted(k for k in by if k[4] == form):
+        ctl = by.get((*key[:4], control, key[5]), {})
+        seeds = sorted(set(by[key]) & set(ctl))
+        if not seeds:
+            continue
+        per = ", ".join(f"{100 * (by[key][s] / ctl[s] - 1):+.1f}%" for s in seeds)
+        base = [by.get((*key[:4], f, None), {}) for f in ("plain", "unsplit_untied")]
+        cells = [mean([b[s] for s in seeds if s in b]) if any(s in b for s in seeds) else "-" for b in base]
+        d, layers, steps, seq = key[:4]
+        out.append(
+            f"| d {d}, {layers} layers, {steps} x 8 x {seq} | {key[5]} | {len(seeds)} | "
+            f"{mean([by[key][s] for s in seeds])} | {mean([ctl[s] for s in seeds])} | {per} | {cells[0]} | {cells[1]} |"
+        )
+    return "\n".join(out)
+
+
 def k_main(argv: list[str]) -> None:
     import argparse  # noqa: PLC0415
 
@@ -368,6 +399,8 @@ def k_main(argv: list[str]) -> None:
     if args.cmd == "table":
         rows = [_harness.read_json(p) for p in sorted(K_DIR.glob("*.json"))]
         print(k_table(rows))
+        print("\nThe subspace against the same form unconstrained (seeds where both ran):\n")
+        print(control_table(rows))
         return
     torch.set_num_threads(args.threads)
     for seed in args.seeds:

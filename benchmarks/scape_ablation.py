@@ -14,13 +14,15 @@ tokens and schedule, one seed (``train.seed`` and ``outer.seed`` together). The 
 - ``default``: the spec's defaults now (``hold``'s options, the best measured at 90%);
 - ``hold+refresh1+decay``, ``refresh1+decay``: a residual weight of 1, with and without hold.
 
-Dense AdamS (``adams_ddp``) runs at each ``--lrs`` value; every SCAPE variant runs at ``--scape-lr`` (the dense
+Dense AdamS (``adams_ddp``) and dense AdamW (``adamw_ddp``, the simulator's DDP path: the paper's other
+reference) run at each ``--lrs`` value; every SCAPE variant runs at ``--scape-lr`` (the dense
 sweep's best, once known) so the two compare at one tuned lr. Each entry is written atomically to
 ``benchmarks/results/scape-ablation-<preset>.json`` (``--out``: one file per process), ``--resume`` skips those
 done; ``--report`` prints the table from every ``scape-ablation-<preset>*.json``.
 
     nice python benchmarks/scape_ablation.py --methods adams_ddp --lrs 0.003 0.005 0.01 0.02 --seeds 0 --resume
     nice python benchmarks/scape_ablation.py --sparsities 0.9 0.99 --scape-lr 0.01 --seeds 0 --resume
+    nice python benchmarks/scape_ablation.py --methods adamw_ddp --lrs 0.003 0.005 0.01 0.02 --seeds 0 1 2 --resume
     python benchmarks/scape_ablation.py --report
 """
 
@@ -34,7 +36,7 @@ import torch
 
 from locomm.config import RunSpec
 from locomm.data import load_corpus
-from locomm.sim.scape import Cost, run_island
+from locomm.sim.scape import Cost, run_adamw_ddp, run_island
 
 import _harness
 
@@ -68,6 +70,9 @@ def run(preset: str, workers: int, seed: int, method: str, lr: float, steps: int
     if method == "adams_ddp":
         spec = spec.replace("outer", seed=seed)
         r = run_island(spec, workers, steps, method="adams_ddp", splits=splits, eval_every=max(1, steps // 10))
+    elif method == "adamw_ddp":  # the paper's other reference: dense AdamW, tuned on the same lr grid
+        spec = spec.replace("outer", seed=seed)
+        r = run_adamw_ddp(spec, workers, steps, splits=splits, eval_every=max(1, steps // 10))
     else:
         name, sparsity = method.split("@")
         sparsity, variant = sparsity.split(":")
@@ -119,8 +124,8 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(STEPS), default="nano")
     ap.add_argument("--workers", type=int, nargs="+", default=[4])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--methods", nargs="+", default=["scape"], choices=["scape", "adams_ddp"])
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-2], help="Dense AdamS's lr sweep")
+    ap.add_argument("--methods", nargs="+", default=["scape"], choices=["scape", "adams_ddp", "adamw_ddp"])
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-2], help="The dense baselines' lr sweep")
     ap.add_argument("--scape-lr", type=float, default=1e-2, help="Every SCAPE variant's lr")
     ap.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.99])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -142,8 +147,9 @@ def main() -> None:
     todo = []
     for seed in args.seeds:
         for workers in args.workers:
-            if "adams_ddp" in args.methods:
-                todo += [(seed, workers, "adams_ddp", lr) for lr in args.lrs]
+            for dense in ("adams_ddp", "adamw_ddp"):
+                if dense in args.methods:
+                    todo += [(seed, workers, dense, lr) for lr in args.lrs]
             if "scape" in args.methods:
                 todo += [
                     (seed, workers, f"scape@{s:g}:{v}", args.scape_lr) for s in args.sparsities for v in args.variants

@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ from locomm.peer.transport.shaper import Shaper
 from locomm.peer.transport.state_sync import Judge, Synced, fetch_state
 from locomm.peer.transport.swarm import peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
 from locomm.protocol.defence import Screened
-from locomm.protocol.membership import Heartbeat
+from locomm.protocol.membership import Heartbeat, observed_time
 from locomm.protocol.sightings import Sightings
 from locomm.protocol.timing import Limits
 
@@ -125,6 +126,8 @@ class Host:
         self._newest: dict[str, Heartbeat] = {}
         self._pace: dict[str, tuple[int, float, int, float]] = {}
         """Per peer, the round counter seen first and last on our monotonic clock: its pace as we observed it."""
+        self._heard: dict[str, tuple[float, float, float]] = {}
+        """Per peer, its record's own time, that time on our clock, and when we read it (``observed_time``)."""
         self._spec_stored = -math.inf
         self._remembered = -math.inf
         self._remembered_peers: frozenset[str] = frozenset()
@@ -472,20 +475,26 @@ class Host:
 
     async def read_beats(self) -> list[Heartbeat]:
         """The run's heartbeats (each verified by the validator); a peer's round never moves backwards: an
-        older record of a peer than the newest seen (a replay) is replaced by that newest one."""
-        now = get_dht_time()
+        older record of a peer than the newest seen (a replay) is replaced by that newest one. Each one's
+        ``time`` is then on our clock (``membership.observed_time``): what reads it judges freshness by what we
+        saw, whatever the writer's clock says."""
+        read = await read_heartbeats(self.dht, self.run_id)
+        now = get_dht_time()  # after the read: a record stored while it ran is not placed in our future
         beats = []
-        for b in await read_heartbeats(self.dht, self.run_id):
+        for b in read:
             prev = self._newest.get(b.peer)
             if prev is not None and (b.round, b.time) < (prev.round, prev.time):
                 if prev.expires < now:
                     continue
                 b = prev
             self._newest[b.peer] = b
-            beats.append(b)
+            seen = observed_time(b.time, now, self._heard.get(b.peer))
+            self._heard[b.peer] = (b.time, seen, now)
+            beats.append(b if seen == b.time else replace(b, time=seen))
         if len(self._newest) > 4 * len(beats) + 64:
             self._newest = {p: b for p, b in self._newest.items() if b.expires >= now}
             self._pace = {p: v for p, v in self._pace.items() if p in self._newest}
+            self._heard = {p: v for p, v in self._heard.items() if p in self._newest}
         t = time.monotonic()
         for b in beats:
             pace = self._pace.get(b.peer)

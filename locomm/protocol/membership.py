@@ -394,8 +394,25 @@ def state_donors(
     return [b.peer for b in order[:n]]
 
 
+def observed_time(written: float, now: float, prev: tuple[float, float, float] | None) -> float:
+    """A heartbeat's time on the reader's clock, bounded by what the reader saw, not by the writer's clock.
+
+    ``written``: the record's own ``time`` (the writer's clock, which may be off or lie); ``now``: the reader's
+    clock at this read; ``prev``: for this peer, the (``written``, result, reader's time) of the read before,
+    or None. A version seen before keeps the time it was given. A new version was written after our read of the
+    previous one, so it is placed no earlier than that read and no later than now: a writer 30 s behind no longer
+    looks stale to every reader (pipeline replicas and island members dropped it), and one ahead of us (or lying)
+    no longer stays fresh for a record's whole life. The first version read is trusted up to ``now``."""
+    if prev is not None and prev[0] == written:
+        return prev[1]
+    if prev is None:
+        return min(written, now)
+    return min(now, max(written, prev[2]))
+
+
 def live(beats: Iterable[Heartbeat], now: float, fresh_s: float, *, stage: int | None = None) -> list[Heartbeat]:
-    """Unfinished peers whose heartbeat is younger than ``fresh_s`` (of one ``stage``, when given)."""
+    """Unfinished peers whose heartbeat is younger than ``fresh_s`` (of one ``stage``, when given). The host
+    gives each heartbeat the reader's time (:func:`observed_time`), so a writer's clock does not decide this."""
     return [b for b in beats if not b.finished and now - b.time < fresh_s and (stage is None or b.stage == stage)]
 
 

@@ -138,8 +138,8 @@ async def probe(boot: str, spec: RunSpec, ident: str) -> dict[str, list[int]]:
                 while await send(target, cases[0]) == ErrorCode.UNAUTHORIZED and time.monotonic() < t_end:
                     await asyncio.sleep(0.5)
                     await announce()
-                await announce()
-                for raw in cases:
+                for raw in cases:  # each case beside a fresh heartbeat: under load 5 cases outlast one TTL
+                    await announce()
                     codes.append(await send(target, raw))
             except Exception:  # noqa: BLE001 - a replica the swarm killed meanwhile
                 pass

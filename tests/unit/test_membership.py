@@ -191,3 +191,26 @@ def test_a_leaver_waits_for_no_partner_that_is_leaving_too():
         None,
     ):
         assert not may_still_pull(gone, last, now, ttl), gone
+
+
+def test_freshness_is_judged_on_the_readers_clock():
+    """A writer 30 s behind (heartbeats every 3 s, read as often, 12 s freshness): by its own times it is stale at
+    every read. From
+    its second version on it is fresh, placed no earlier than the read that saw its previous one; a writer
+    ahead of the reader is placed no later than the read; an unchanged record keeps its time and ages."""
+    from locomm.protocol.membership import live, observed_time
+
+    prev = None
+    fresh = []
+    for read in (100.0, 103.0, 106.0):  # the reader's clock at each read; the writer wrote 1 s before, 30 s behind
+        written = read - 1.0 - 30.0
+        t = observed_time(written, read, prev)
+        prev = (written, t, read)
+        fresh.append(bool(live([Heartbeat(peer="b", time=t)], read, 12.0)))
+    assert fresh == [False, True, True]
+    assert prev[1] == 103.0  # the last version: no earlier than the read that saw the one before
+    assert observed_time(prev[0], 140.0, prev) == 103.0  # the same version read again keeps its time
+    assert not live([Heartbeat(peer="b", time=observed_time(prev[0], 140.0, prev))], 140.0, 12.0)  # a dead writer
+    ahead = observed_time(10_000.0, 150.0, prev)  # a writer far ahead (or lying about its time)
+    assert ahead == 150.0 and not live([Heartbeat(peer="b", time=ahead)], 163.0, 12.0)
+    assert observed_time(149.0, 150.0, prev) == 149.0  # a synced writer keeps its own time

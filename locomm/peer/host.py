@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import shutil
 import signal
 import tempfile
@@ -65,7 +66,7 @@ from locomm.peer.transport.shaper import Shaper
 from locomm.peer.transport.state_sync import Judge, Synced, fetch_state
 from locomm.peer.transport.swarm import peer_ids_of, peers_key, publish_spec, read_heartbeats, store_heartbeat
 from locomm.protocol.defence import Screened
-from locomm.protocol.membership import Heartbeat, observed_time
+from locomm.protocol.membership import Heartbeat, newer, observed_time
 from locomm.protocol.sightings import Sightings
 from locomm.protocol.timing import Limits
 
@@ -142,6 +143,8 @@ class Host:
         self.p2p: P2P
         self.dht: DHTNode
         self.me: str
+        self.incarnation = secrets.token_hex(8)
+        """This process's start, in every heartbeat: partners waiting on our payloads see a restart as one."""
         self.maddrs: list[Any]
         self.run_id: str
         self.limits: Limits
@@ -483,7 +486,7 @@ class Host:
         beats = []
         for b in read:
             prev = self._newest.get(b.peer)
-            if prev is not None and (b.round, b.time) < (prev.round, prev.time):
+            if prev is not None and not newer(b, prev):
                 if prev.expires < now:
                     continue
                 b = prev

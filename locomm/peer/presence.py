@@ -41,7 +41,7 @@ from locomm.peer.control import ControlError, ControlServer, Handler, control_pa
 from locomm.peer.host import Host
 from locomm.peer.transport.gossip import Gossip
 from locomm.peer.transport.state_sync import Judge, StateMismatch, Synced
-from locomm.protocol.membership import STATE_RETRY_S, Heartbeat, may_still_pull, sends_nothing_more
+from locomm.protocol.membership import STATE_RETRY_S, Heartbeat, may_still_pull, restarted, sends_nothing_more
 
 __all__ = [
     "JOIN_MARGIN_ROUNDS",
@@ -118,6 +118,8 @@ class Presence:
         self.refusal: str | None = None
         """Why the last pause was called off after it was asked for (None: it was not)."""
         self.gossip: Gossip | None = None
+        self._incarnations: dict[tuple[str, int], str] = {}
+        """Per (partner, round) waited on: the partner's incarnation when the wait began."""
 
     def wire(self, gossip: Gossip) -> None:
         """The driver's exchange: its waits learn from partners' heartbeats who will send nothing more and who
@@ -146,6 +148,7 @@ class Presence:
             finished=self.left,
             paused=self.paused,
             version=__version__,
+            incarnation=h.incarnation,
             maddrs=tuple(str(m) for m in h.maddrs),
             faults=h.faults.total,
             **fields,
@@ -223,10 +226,17 @@ class Presence:
     def partner_gone(self, peer: str, round_idx: int) -> bool:
         """``Gossip.gone``: whether ``peer`` will not send ``round_idx``'s payload: it left or was paused, or it
         is two rounds past it (its exchange of that round is over), and its heartbeat does not list the round in
-        ``serves`` (what it had sent has come; what it still serves we pull). While we wait on a partner, the
+        ``serves`` (what it had sent has come; what it still serves we pull); or it restarted since the wait
+        began (``membership.restarted``). While we wait on a partner, the
         heartbeats are read again about once a second, so a goodbye is seen soon."""
         b = self.host.beats.get(peer)
         if b is not None and sends_nothing_more(b, round_idx):
+            return True
+        # the process we planned with: asked first at the start of the wait (about when we planned)
+        if len(self._incarnations) > 512:
+            self._incarnations = {k: v for k, v in self._incarnations.items() if k[1] >= round_idx - 2}
+        planned = self._incarnations.setdefault((peer, round_idx), b.incarnation if b is not None else "")
+        if restarted(b, planned):
             return True
         self.host.refresh_soon()
         return False

@@ -110,6 +110,7 @@ _PARSE = {
     "step": lambda v: _int(v, 0, 2**62),
     "time": _nonneg,
     "version": _str,
+    "incarnation": lambda v: _str(v, 32),
     "maddrs": _addrs,
     "avg_maddrs": _addrs,
     "started": _bool,
@@ -155,6 +156,8 @@ class Heartbeat:
     """DHT time the record was written."""
     expires: float = math.inf
     version: str = ""
+    incarnation: str = ""
+    """Random per process start: a new one is a restart, which has none of the old process's payloads."""
     maddrs: tuple[str, ...] = ()
     avg_maddrs: tuple[str, ...] = ()
     """DiLoCo only: the addresses of this peer's hivemind averager DHT."""
@@ -278,6 +281,22 @@ def sends_nothing_more(b: Heartbeat, round_idx: int) -> bool:
     Without the last case a replica two rounds behind its sibling waited out every round's deadline for
     payloads the sibling no longer served, and held it there (a 2-stage pipeline at 30 s a round)."""
     return (b.finished or b.paused or b.round >= round_idx + 2) and round_idx not in b.serves
+
+
+def restarted(b: Heartbeat | None, planned: str | None) -> bool:
+    """Whether a partner restarted since we planned with it (``planned``: its incarnation then; None or '': not
+    known). A new process has none of the old one's payloads and sends nothing of its rounds: a partner killed
+    and restarted every 20-40 s was waited for to its ETA at the floor rate (255 s in chaos, issue 31)."""
+    return bool(planned) and b is not None and bool(b.incarnation) and b.incarnation != planned
+
+
+def newer(b: Heartbeat, prev: Heartbeat) -> bool:
+    """Whether a record read replaces the one held for that peer: a later (round, time), or a restart (another
+    incarnation, written later) whose round may be lower. A replayed record of an earlier process is older by
+    its time, and a replay of the held one does not move the round back."""
+    if b.incarnation and prev.incarnation and b.incarnation != prev.incarnation:
+        return b.time > prev.time
+    return (b.round, b.time) >= (prev.round, prev.time)
 
 
 def may_still_pull(b: Heartbeat | None, last: int, now: float, ttl: float) -> bool:

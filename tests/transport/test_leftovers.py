@@ -59,6 +59,7 @@ def test_sockets_are_recorded_as_p2pd_is_spawned_before_it_runs(tmp_path, monkey
     assert argv[-2:] == ["/opt/bin/p2pd", f"-listen=/unix{daemon}"]  # behind the shim, unchanged
     (rec,) = leftovers.records_dir().glob("*.json")
     assert json.loads(rec.read_text()) == {"pid": os.getpid(), "sockets": [daemon, client]}
+    assert rec.stat().st_mode & 0o777 == 0o600  # as every file locomm writes
 
     class Running:  # what record() reads of hivemind's P2P
         _daemon_listen_maddr = {"unix": daemon}

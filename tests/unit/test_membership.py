@@ -214,3 +214,20 @@ def test_freshness_is_judged_on_the_readers_clock():
     ahead = observed_time(10_000.0, 150.0, prev)  # a writer far ahead (or lying about its time)
     assert ahead == 150.0 and not live([Heartbeat(peer="b", time=ahead)], 163.0, 12.0)
     assert observed_time(149.0, 150.0, prev) == 149.0  # a synced writer keeps its own time
+
+
+def test_a_restarted_partner_sends_nothing_and_its_lower_round_is_read():
+    """A partner killed and restarted is another process: what we waited for from the old one will not come
+    (chaos: a partner restarted every 20-40 s was waited for 255 s to its ETA at the floor rate). Its new record
+    replaces the old even with a lower round; a replay of the old process's record does not."""
+    from locomm.protocol.membership import newer, restarted
+
+    old = Heartbeat(peer="b", round=54, time=100.0, incarnation="aa")
+    new = Heartbeat(peer="b", round=12, time=130.0, incarnation="bb")
+    assert restarted(new, "aa") and not restarted(old, "aa")
+    assert not restarted(new, "") and not restarted(None, "aa")  # not known then: no verdict
+    assert not restarted(Heartbeat(peer="b", round=55, time=140.0), "aa")  # an older version's record: none
+    assert newer(new, old)  # the restart's record is read though its round is lower
+    assert not newer(old, new)  # a replay of the earlier process
+    assert not newer(Heartbeat(peer="b", round=53, time=140.0, incarnation="aa"), old)  # the round never goes back
+    assert newer(Heartbeat(peer="b", round=55, time=103.0, incarnation="aa"), old)

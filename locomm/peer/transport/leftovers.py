@@ -81,7 +81,8 @@ def _write(where: Path | None, paths: list[str]) -> Path | None:
     try:
         private_dir(folder)
         path = folder / f"{os.getpid()}-{Path(paths[0]).stem.rsplit('-', 1)[-1]}.json"
-        path.write_text(json.dumps({"pid": os.getpid(), "sockets": paths}))
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:  # as every file we write
+            f.write(json.dumps({"pid": os.getpid(), "sockets": paths}))
     except OSError as e:  # a full or read-only disk: the sockets may be left, nothing else
         log.debug("cannot record p2pd's sockets: %s", e)
         return None

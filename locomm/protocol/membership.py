@@ -286,14 +286,15 @@ def sends_nothing_more(b: Heartbeat, round_idx: int) -> bool:
 def restarted(b: Heartbeat | None, planned: str | None) -> bool:
     """Whether a partner restarted since we planned with it (``planned``: its incarnation then; None or '': not
     known). A new process has none of the old one's payloads and sends nothing of its rounds: a partner killed
-    and restarted every 20-40 s was waited for to its ETA at the floor rate (255 s in chaos, issue 31)."""
+    while starting and started again every 10-30 s was waited for 255 s in chaos (issue 31)."""
     return bool(planned) and b is not None and bool(b.incarnation) and b.incarnation != planned
 
 
 def newer(b: Heartbeat, prev: Heartbeat) -> bool:
     """Whether a record read replaces the one held for that peer: a later (round, time), or a restart (another
     incarnation, written later) whose round may be lower. A replayed record of an earlier process is older by
-    its time, and a replay of the held one does not move the round back."""
+    its time, and a replay of the held one does not move the round back. (A restart whose clock is behind the
+    old process's is read once the old record expires.)"""
     if b.incarnation and prev.incarnation and b.incarnation != prev.incarnation:
         return b.time > prev.time
     return (b.round, b.time) >= (prev.round, prev.time)

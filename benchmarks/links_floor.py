@@ -38,6 +38,30 @@ def round_times(run: dict[str, Any]) -> list[float]:
     return out
 
 
+def push_spans(run: dict[str, Any]) -> list[float] | None:
+    """Per round, the peers' mean time from their first push's start to their last push's answer (the ``push``
+    events; None for runs from before they were logged)."""
+    spans: dict[int, list[float]] = {}
+    for p in run["per_peer"]:
+        by_round: dict[int, list[dict[str, Any]]] = {}
+        for e in p.get("other_events", []):
+            if e.get("event") == "push":
+                by_round.setdefault(e["round"], []).append(e)
+        for r, es in by_round.items():
+            spans.setdefault(r, []).append(max(e["time"] for e in es) - min(e["started_at"] for e in es))
+    return [sum(v) / len(v) for _, v in sorted(spans.items())] or None
+
+
+def startup_s(run: dict[str, Any]) -> float:
+    """From the benchmark's start to the last peer's first evaluation, the moment training starts (spawning the
+    peers, building the model, joining: the same work shaped or not, and on 2 cores its noisiest part)."""
+    evals = [
+        min((e["time"] for e in p.get("other_events", []) + p["events"] if e.get("event") == "eval"), default=None)
+        for p in run["per_peer"]
+    ]
+    return max(t for t in evals if t is not None) - run["started_at"]
+
+
 def floor(shaped: dict[str, Any], unshaped: dict[str, Any]) -> dict[str, Any]:
     tot = shaped["totals"]
     rate = float(shaped["per_peer"][0]["rate_bps"])
@@ -60,7 +84,12 @@ def floor(shaped: dict[str, Any], unshaped: dict[str, Any]) -> dict[str, Any]:
         "floor_s": f,
         "shaped_wall_s": tot["wall_s"],
         "ratio": tot["wall_s"] / f,
+        "training_ratio": (tot["wall_s"] - startup_s(shaped)) / (f - startup_s(unshaped)),
         "shaped_round_s": round_times(shaped),
+        "shaped_push_s": push_spans(shaped),
+        "unshaped_push_s": push_spans(unshaped),
+        "shaped_startup_s": startup_s(shaped),
+        "unshaped_startup_s": startup_s(unshaped),
         "finish_spread_s": max(ends) - min(ends),
         "finish_within_one_exchange": max(ends) - min(ends) <= exchange_s,
         "longest_round_wait_s": max(waits, default=0.0),

@@ -34,8 +34,9 @@ Notable:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 EMA_KEEP = 0.7
 """Weight of the old value in the round-time and upload-rate averages."""
@@ -170,6 +171,31 @@ def partner_eta(
     ready = now if rounds_to_go <= 0 else t0 + rounds_to_go * round_s
     arrive = max(ready, now) + wire_bytes * fan_out / up
     return arrive + limits.stall_timeout_s + ETA_JITTER_ROUNDS * round_s
+
+
+Peer = TypeVar("Peer", str, int)
+
+TURN_SLACK = 1.5
+"""A push holds the link alone for at most this many times one payload's time at our measured upload rate."""
+
+
+def turn_s(wire_bytes: float, up_Bps: float, limits: Limits) -> float:
+    """How long one push holds the link alone before the next one starts beside it: ``TURN_SLACK`` payload-times
+    at the measured upload rate; before a rate is measured, the request timeout."""
+    return TURN_SLACK * wire_bytes / up_Bps if up_Bps > 0 else limits.request_timeout_s
+
+
+def push_order(me: Peer, peers: Sequence[Peer]) -> list[Peer]:
+    """The order of our pushes to ``peers``: by distance after us on the ring of ``me`` and ``peers`` sorted.
+
+    In a group where everyone exchanges with everyone, every member derives the same ring, so at the k-th
+    push each member sends to the member k places after it: each receiver takes one flow at a time, and each
+    flow has its sender's uplink and its receiver's downlink to itself. Pushed all at once, the flows cross:
+    two through each uplink and two into each downlink, and TCP shares them unevenly (3 peers over 80 Mbit/s:
+    378 MB each way moved in 46-52 s, 58-65 Mbit/s of 77.5; ``docs/results/links.md``)."""
+    ring = sorted({*peers, me})
+    at = {p: i for i, p in enumerate(ring)}
+    return sorted(peers, key=lambda p: (at[p] - at[me]) % len(ring))
 
 
 def wait_deadline(start: float, eta: float, limits: Limits) -> float:

@@ -38,6 +38,11 @@ class Flow:
     cut: float = math.inf
     """Time the receiver's deadlines cut the transfer off (inf: not cut)."""
     history: list[tuple[float, float]] = field(default_factory=list)
+    after: Flow | None = None
+    """Starts in turn after this flow (the daemon's pushes, ``gossip.Gossip._pushes_in_turn``): when it ended
+    (done or cut), or ``turn_s`` after it began, whichever comes first, and never before ``start``. Must share
+    this flow's component (the same sender)."""
+    turn_s: float = math.inf
 
     def moved_at(self, t: float) -> float:
         """Bytes moved by time ``t`` (piecewise linear between recorded events)."""
@@ -118,35 +123,78 @@ def run_flows(
         _run_component([flows[i] for i in comp], up, down, limits)
 
 
+def _release(flows: list[Flow], prev: list[int], start: np.ndarray, t: float) -> None:
+    """Set the start of every flow whose turn has come by ``t`` (its predecessor ``flows[prev[i]]`` ended, or
+    began ``turn_s`` ago); a release can release the next one at the same instant (an empty predecessor)."""
+    changed = True
+    while changed:
+        changed = False
+        for i, (f, j) in enumerate(zip(flows, prev)):
+            if j < 0 or math.isfinite(start[i]) or not math.isfinite(start[j]):
+                continue
+            turn = min(flows[j].done, flows[j].cut, start[j] + f.turn_s)
+            if turn <= t + 1e-12:
+                start[i] = max(f.start, turn)
+                changed = True
+
+
+def _next_turn(flows: list[Flow], prev: list[int], start: np.ndarray) -> float:
+    """The earliest instant a flow still waiting for its turn is released by its predecessor's ``turn_s``."""
+    times = [
+        max(f.start, start[j] + f.turn_s)
+        for i, (f, j) in enumerate(zip(flows, prev))
+        if j >= 0 and not math.isfinite(start[i]) and math.isfinite(start[j])
+    ]
+    return min(times, default=math.inf)
+
+
 def _run_component(flows: list[Flow], up: np.ndarray, down: np.ndarray, limits: Limits) -> None:
     left = np.array([f.nbytes for f in flows], dtype=float)
-    start = np.array([f.start for f in flows])
+    index = {id(f): i for i, f in enumerate(flows)}
+    prev = [-1 if f.after is None else index[id(f.after)] for f in flows]
+    start = np.array([f.start if f.after is None else math.inf for f in flows])
     src = np.array([f.src for f in flows])
     dst = np.array([f.dst for f in flows])
     open_ = np.ones(len(flows), dtype=bool)  # neither finished nor cut
-    for f in flows:
-        f.history = [(f.start, 0.0)]
-        if f.nbytes <= 0:
-            f.done = f.start
-    open_ &= left > 0
     floor, window = limits.min_rate_Bps, limits.rate_window_s
-    size_deadline = start + np.array([limits.deadline_s(float(n)) for n in left])
-    checks = {float(s + window) for s in start} if floor > 0 else set()
-    t = float(start[open_].min()) if open_.any() else 0.0
+    checks: set[float] = set()
+    begun = np.zeros(len(flows), dtype=bool)
+
+    def begin(t: float) -> None:
+        """Flows whose start is now known: their history, deadlines and floor checks (an empty one is done)."""
+        _release(flows, prev, start, t)
+        for i, f in enumerate(flows):
+            if begun[i] or not math.isfinite(start[i]):
+                continue
+            begun[i] = True
+            f.start = float(start[i])
+            f.history = [(f.start, 0.0)]
+            if f.nbytes <= 0:
+                f.done = f.start
+                open_[i] = False
+            elif floor > 0:
+                checks.add(f.start + window)
+
+    t = float(start[np.isfinite(start)].min()) if np.isfinite(start).any() else 0.0
+    begin(t)
+    size_deadline = np.array([limits.deadline_s(float(n)) for n in left])  # after each flow's start
     while open_.any():
+        begin(t)
         active = open_ & (start <= t + 1e-12)
         if not active.any():
-            t = float(start[open_].min())
+            t = min(float(start[open_].min()), _next_turn(flows, prev, start))
+            if not math.isfinite(t):
+                break  # only flows whose predecessor never starts: they never start either
             continue
         idx = np.flatnonzero(active)
         rates = maxmin_rates(src[idx], dst[idx], up, down)
         finish = left[idx] / rates
-        candidates = [t + float(finish.min())]
+        candidates = [t + float(finish.min()), _next_turn(flows, prev, start)]
         later = start[open_ & ~active]
         if len(later):
             candidates.append(float(later.min()))
         if floor > 0:
-            candidates.append(float(size_deadline[idx].min()))
+            candidates.append(float((start[idx] + size_deadline[idx]).min()))
             candidates += [c for c in checks if c > t + 1e-12]
             if (rates < floor).any():
                 candidates.append(t + window / 8)
@@ -161,7 +209,7 @@ def _run_component(flows: list[Flow], up: np.ndarray, down: np.ndarray, limits: 
                 f.done = t
                 open_[i] = False
             elif floor > 0 and (
-                t >= size_deadline[i] - 1e-12
+                t >= start[i] + size_deadline[i] - 1e-12
                 or (
                     t - f.start >= window - 1e-9
                     and f.history[-1][1] - f.moved_at(t - window) < floor * window * (1 - 1e-9)

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from locomm.protocol.rounds import RECEIVE_WINDOW
-from locomm.protocol.timing import Limits, ema, partner_eta, wait_deadline
+from locomm.protocol.timing import Limits, ema, partner_eta, push_order, turn_s, wait_deadline
 from locomm.sim.flows import Flow, run_flows
 from locomm.sim.network import NetworkModel, RoundRecord
 
@@ -208,11 +208,15 @@ class Schedule:
         lat = self.net.latency_s
         flows: dict[tuple[int, int], Flow] = {}
         for w in range(self.n):
-            for j in rec.peers.get(w, []):
+            # In turn, in ring order (gossip.Gossip._pushes_in_turn): each push starts when the one before it
+            # ended, or TURN_SLACK payload-times (at w's measured upload rate) after it began.
+            hold_s = turn_s(rec.bytes_sent[w], self.up_Bps[w], self.dl)
+            before: Flow | None = None
+            for j in push_order(w, list(rec.peers.get(w, []))):
                 # j takes round-r pushes once it has opened round r - RECEIVE_WINDOW.
                 back = self.r - RECEIVE_WINDOW
                 t0 = max(plan[w], self.opened[back][j] if back >= 0 else 0.0) + STREAM_OPEN_LATENCIES * lat
-                flows[(w, j)] = Flow(w, j, rec.bytes_sent[w], t0)
+                before = flows[(w, j)] = Flow(w, j, rec.bytes_sent[w], t0, after=before, turn_s=hold_s)
         run_flows(list(flows.values()), self.net.up_Bps, self.net.down_Bps, self.dl)
         self.tl.cut += sum(1 for f in flows.values() if math.isfinite(f.cut))
         raw = rec.raw_bytes or rec.bytes_sent

@@ -77,6 +77,25 @@ def test_flows_share_links_and_slow_ones_are_cut():
     assert slow[1].done == pytest.approx(2.0) and math.isinf(slow[1].cut)
 
 
+def test_flows_in_turn_start_when_the_one_before_ends_or_one_turn_after_it_began():
+    """The daemon's pushes in turn (``gossip.Gossip._pushes_in_turn``): 0 sends 1 MB to 1, then to 2, over a
+    1 MB/s uplink; the second starts when the first is done (1 s), or at ``turn_s`` if the first is slower
+    (1's downlink at 0.25 MB/s: the first would take 4 s, the second starts at 1.5 s and they share)."""
+    first = Flow(0, 1, 1e6, 0.0)
+    second = Flow(0, 2, 1e6, 0.0, after=first, turn_s=1.5)
+    run_flows([first, second], [1e6] * 3, [1e7] * 3)
+    assert (first.done, second.start, second.done) == pytest.approx((1.0, 1.0, 2.0))
+    first = Flow(0, 1, 1e6, 0.0)
+    second = Flow(0, 2, 1e6, 0.0, after=first, turn_s=1.5)
+    run_flows([first, second], [1e6] * 3, [1e7, 0.25e6, 1e7])
+    # to 1.5 s the first moves 0.375 MB; then 0.25 + 0.75 MB/s: the second is done at 1.5 + 1/0.75
+    assert second.start == pytest.approx(1.5) and second.done == pytest.approx(1.5 + 1 / 0.75)
+    assert first.done == pytest.approx(4.0)
+    late = Flow(0, 2, 1e6, 5.0, after=Flow(0, 1, 0.0, 0.0), turn_s=1.5)  # never before its own start
+    run_flows([late.after, late], [1e6] * 3, [1e7] * 3)
+    assert late.start == pytest.approx(5.0) and late.done == pytest.approx(6.0)
+
+
 def test_butterfly_allreduce_by_hand():
     """4 workers, hivemind's butterfly: group assembly, parts exchanged in parallel, the slowest member."""
     mbit = 1e6

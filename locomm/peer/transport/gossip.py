@@ -9,6 +9,9 @@ for theirs; the round goes on with whoever answered. No global barrier.
   parts on the sender (at most the payload's size), the destination tensors plus two parts per stream on the
   receiver.
 - **Parallel.** Above ``parallel_threshold_mb``, up to ``streams_per_transfer`` streams (p2pd's per-stream ceiling).
+- **In turn.** A peer's pushes to its partners go one at a time, in ring order (``timing.push_order``: at its k-th
+  push every member of a group sends to the member k places after it, so each link carries one flow), each
+  starting when the one before it ended or ``TURN_SLACK`` payload-times after that one began.
 - **Deadlines by bytes** (``rpc.Limits``): a stalled or trickling stream is cut off and answered ``TIMEOUT``;
   that is slowness, never a fault. Every "now" here (ETAs, stalls, links, rates) is ``clock()``, the RPC
   server's unless given.
@@ -74,7 +77,7 @@ from locomm.protocol.messages import (
     validate_transfer,
 )
 from locomm.protocol.rounds import RECEIVE_WINDOW  # payload buffers only for rounds this close to ours
-from locomm.protocol.timing import PartnerWait, Promises, ema, give_up_at, serve_until
+from locomm.protocol.timing import PartnerWait, Promises, ema, give_up_at, push_order, serve_until, turn_s
 
 __all__ = ["Faults", "Gossip", "GossipStats", "Incoming", "Outgoing"]
 
@@ -215,6 +218,9 @@ class Gossip:
                 data = await link.read_part(self.codec.max_part_bytes(part))
                 self.stats.bytes_received += len(data)
                 inc.last_progress = self.clock()
+                inc.last_part_at = time.time()
+                if inc.first_part_at is None:
+                    inc.first_part_at = inc.last_part_at
                 pending.append(
                     (part, asyncio.ensure_future(self.server.decode(self._decode_part, inc.dest, part, data)))
                 )
@@ -249,7 +255,8 @@ class Gossip:
             payload = await self.server.decode(self.codec.finish, inc.dest)
         except PayloadError as e:
             raise ProtocolViolation(_PAYLOAD_CODES[e.kind], str(e)) from None
-        await self.stats.paths.arrived(round_idx, remote, pulled, self.p2p)  # how it came (peer/transport/paths.py)
+        timing = {"opened_at": inc.opened_at, "first_part_at": inc.first_part_at, "last_part_at": inc.last_part_at}
+        await self.stats.paths.arrived(round_idx, remote, pulled, self.p2p, **timing)  # peer/transport/paths.py
         async with self.arrived:
             # A round whose exchange is over has no use for it (a pull that ended late): the key alone is kept.
             self.mailbox[round_idx][remote] = None if round_idx in self.settled else payload
@@ -334,9 +341,11 @@ class Gossip:
         lanes = balance_lanes([(i, self.codec.max_part_bytes(out.parts[i])) for i in which], n)
         t0 = self.clock()
         by_lane: dict[int, list[int]] = {}  # bytes each stream put on the wire
+        times: dict[str, float] = {"started_at": time.time()}  # wall-clock, for the ``push`` event
 
         async def lane(k: int, idx: list[int]) -> tuple[ErrorCode, bool, bool]:
             await out.get(idx[0])  # the receiver's header clock starts when we dial: have data ready first
+            times.setdefault("dialed_at", time.time())
             link = await open_link(
                 self.p2p, peer, self.handler, self.limits, "send", n, clock=self.clock, loads=self.server.loads
             )
@@ -351,6 +360,8 @@ class Gossip:
                         data = await out.get(i)
                         await link.write_part(data)
                         sent_here[0] += len(data)
+                        times.setdefault("first_part_at", time.time())
+                        times["last_part_at"] = time.time()
                 except (ConnectionError, TransferCut) as e:
                     # The receiver may have answered early (a refusal) and closed: read its answer if it did.
                     with contextlib.suppress(Exception):
@@ -371,6 +382,9 @@ class Gossip:
         sent = sum(b[0] for b in by_lane.values())
         self.stats.bytes_sent += sent
         outcome, delivered, redundant, hinted = tally_lanes(peer, lanes, results)
+        if self.stats.paths.sink is not None:  # where a push's time went: encode, dial, wire, the answer
+            why = outcome if isinstance(outcome, str) else outcome.name
+            self.stats.paths.sink("push", round=out.round, peer=peer, outcome=why, bytes=sent, **times)
         if hinted:
             self.pull_hints[out.round].add(peer)
         # What went out on streams that did not answer OK, or whose parts the receiver held already.
@@ -382,6 +396,31 @@ class Gossip:
             rate = sent / dt
             self.stats.up_Bps = ema(self.stats.up_Bps, rate)
         return outcome, delivered
+
+    def _pushes_in_turn(self, order: list[str], out: Outgoing, wire: int) -> dict[str, asyncio.Task]:
+        """One task per partner, pushing in ``order``: each push starts when the one before it ended, or
+        ``turn_s`` after that one started, whichever comes first (``turn_s``: ``TURN_SLACK`` x one payload at our
+        measured upload rate; before a rate is measured, the request timeout: ``timing.turn_s``)."""
+        hold_s = turn_s(wire, self.stats.up_Bps, self.limits)
+        loop = asyncio.get_running_loop()
+
+        async def in_turn(peer: str, before: asyncio.Event | None, released: asyncio.Event) -> ErrorCode | str:
+            if before is not None:
+                await before.wait()
+            timer = loop.call_later(hold_s, released.set)
+            try:
+                return await self.push(peer, out)
+            finally:
+                timer.cancel()
+                released.set()
+
+        tasks: dict[str, asyncio.Task] = {}
+        before: asyncio.Event | None = None
+        for peer in order:
+            released = asyncio.Event()
+            tasks[peer] = asyncio.create_task(in_turn(peer, before, released))
+            before = released
+        return tasks
 
     async def pull(self, peer: str, round_idx: int) -> bool | None:
         """Fetch a partner's payload of ``round_idx`` over a stream we open: True when it arrived, None when the
@@ -429,8 +468,8 @@ class Gossip:
         out = self.outgoing[round_idx] = Outgoing(round_idx, payload, self.codec, self.server, peers, self.stats)
         start = self.clock()
         out.serve_until = serve_until(start, self.limits)
-        pushes = {p: asyncio.create_task(self.push(p, out)) for p in peers}
         wire = sum(self.codec.max_part_bytes(part) for part in out.parts)  # a partner's payload is as large
+        pushes = self._pushes_in_turn(push_order(self.me, peers), out, wire)
         waits: dict[str, PartnerWait] = {}
         for p in peers:
             due = min(eta(p) if eta else start + self.limits.request_timeout_s, start + self.max_wait_s)

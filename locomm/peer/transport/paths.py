@@ -38,13 +38,21 @@ def conn_kind(addrs: list[str]) -> str:
     return "direct" if any(CIRCUIT not in a for a in addrs) else "relay"
 
 
-async def connection_addrs(p2p: P2P, peer: str) -> list[str]:
-    """The remote multiaddrs of this node's live connections to ``peer`` (empty when it has none)."""
+async def live_connections(p2p: P2P) -> dict[str, list[str]]:
+    """Peer id -> the remote multiaddrs of this node's live connections to it, as p2pd holds them (what the
+    peer's packets came from, not what it declares); empty when p2pd does not answer in ``LIST_TIMEOUT_S``."""
+    conns: dict[str, list[str]] = {}
     with contextlib.suppress(Exception):
         async with asyncio.timeout(LIST_TIMEOUT_S):
             infos = await p2p.list_peers()
-        return [str(a) for i in infos if i.peer_id.to_base58() == peer for a in i.addrs]
-    return []
+        for i in infos:
+            conns.setdefault(i.peer_id.to_base58(), []).extend(str(a) for a in i.addrs)
+    return conns
+
+
+async def connection_addrs(p2p: P2P, peer: str) -> list[str]:
+    """The remote multiaddrs of this node's live connections to ``peer`` (empty when it has none)."""
+    return (await live_connections(p2p)).get(peer, [])
 
 
 class PathLog:
@@ -55,8 +63,9 @@ class PathLog:
         self.sink: Callable[..., Any] | None = None
         """Called as ``sink("exchange", round=..., peer=..., via=..., conn=...)`` per arrival (the event log)."""
 
-    async def arrived(self, round_idx: int, peer: str, pulled: bool, p2p: P2P) -> None:
-        """``peer``'s payload of ``round_idx`` is here (``pulled``: over a stream we opened)."""
+    async def arrived(self, round_idx: int, peer: str, pulled: bool, p2p: P2P, **timing: Any) -> None:
+        """``peer``'s payload of ``round_idx`` is here (``pulled``: over a stream we opened); ``timing`` goes into
+        the event as it is (the transfer's wall-clock times: when it opened, its first and last part came)."""
         conns = await connection_addrs(p2p, peer)
         via, conn = "pull" if pulled else "push", conn_kind(conns)
         self.rounds[round_idx][peer] = (via, conn)
@@ -64,4 +73,4 @@ class PathLog:
             del self.rounds[r]
         log.info("exchange path: round=%d peer=%s via=%s conn=%s addrs=%s", round_idx, peer, via, conn, conns)
         if self.sink is not None:
-            self.sink("exchange", round=round_idx, peer=peer, via=via, conn=conn, addrs=conns)
+            self.sink("exchange", round=round_idx, peer=peer, via=via, conn=conn, addrs=conns, **timing)

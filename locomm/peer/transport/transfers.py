@@ -125,6 +125,10 @@ class Incoming:
     """Streams reading parts of it now."""
     claimed: set[Part] = field(default_factory=set)
     done: set[Part] = field(default_factory=set)
+    opened_at: float = field(default_factory=time.time)
+    """Wall-clock time its first stream's header was read (with the parts' times: the ``exchange`` event)."""
+    first_part_at: float | None = None
+    last_part_at: float | None = None
 
     @property
     def complete(self) -> bool:

@@ -81,3 +81,28 @@ async def test_an_initial_peer_out_of_reach_is_tried_again_then_one_error(monkey
     with pytest.raises(ConfigError, match="cannot reach the swarm through --initial-peers"):
         async with Host(_spec(), opts):
             pass
+
+
+async def test_a_heartbeat_whose_ttl_shrank_is_still_stored_and_read_so_a_goodbye_lands():
+    """A record's TTL is 7 x the round time (at least the spec's); DHT nodes keep whichever value of a subkey
+    expires later. On the main before, a heartbeat published when the round time had fallen (a goodbye after a
+    short last round) expired sooner than the one before it and was refused: readers kept the old one, and the
+    leaver's partners waited for it to a deadline for 3 rounds (`tests/swarm/test_long_lived.py`, under load).
+    Also an earlier process of the same identity that stored a longer-lived record is outlived."""
+    from hivemind.utils import get_dht_time
+
+    from locomm.peer.transport.swarm import read_heartbeats, store_heartbeat, stored_expiration
+
+    async with Host(_spec(), NodeOptions()) as host:
+        # An earlier process's record: round 5 of 10-s rounds, living 7 x 10 s (the spec's TTL here: 30 s).
+        slow = Heartbeat(peer=host.me, round=5, round_s=10.0)
+        assert await store_heartbeat(host.dht, host.run_id, host.me, slow.record(), 70.0)
+        assert await stored_expiration(host.dht, host.run_id, host.me) > get_dht_time() + 70.0
+        # A fast round now: its TTL is the spec's, far shorter. Published, it must replace the record.
+        await host.publish(Heartbeat(peer=host.me, round=6, round_s=0.1, finished=True))
+        (mine,) = [b for b in await read_heartbeats(host.dht, host.run_id) if b.peer == host.me]
+        assert mine.round == 6 and mine.finished
+        # And the next, with a TTL shorter again, lands too (no read needed: the host kept the expiration).
+        await host.publish(Heartbeat(peer=host.me, round=7, round_s=0.01))
+        (mine,) = [b for b in await read_heartbeats(host.dht, host.run_id) if b.peer == host.me]
+        assert mine.round == 7

@@ -142,13 +142,36 @@ async def fetch_swarm_specs(dht: DHTNode, swarm_id: str) -> dict[str, dict[str, 
     return out
 
 
-async def store_heartbeat(dht: DHTNode, run_id: str, peer: str, record: dict[str, Any], ttl: float) -> bool:
+async def store_heartbeat(
+    dht: DHTNode,
+    run_id: str,
+    peer: str,
+    record: dict[str, Any],
+    ttl: float,
+    not_before: float = 0.0,
+    *,
+    elsewhere: bool = False,
+) -> bool:
     """Store ``record`` (usually ``Heartbeat.record()``) as ``peer``'s heartbeat, stamped with the DHT time; it
     expires ``MAX_CLOCK_SKEW_S`` after ``ttl``, so it lives ``ttl`` for readers whose clock is up to that far ahead
-    of ours (a writer 30 s behind with a 12 s TTL stored records every reader had already expired)."""
+    of ours (a writer 30 s behind with a 12 s TTL stored records every reader had already expired), and never
+    before ``not_before`` (the expiration of the writer's last record: DHT nodes keep whichever value expires
+    later and refuse the other, so a record whose TTL shrank with its round time would be refused), as far as
+    the validator lets a record live (``records.SwarmValidator``: 2 x ``ttl`` + 2 x ``MAX_CLOCK_SKEW_S``).
+    ``elsewhere``: on other nodes only (a goodbye: our own storage goes with us), True when one took it."""
     now = get_dht_time()
-    expires = now + ttl + MAX_CLOCK_SKEW_S
-    return await dht.store(peers_key(run_id), subkey=peer, value={**record, "time": now}, expiration_time=expires)
+    expires = min(max(now + ttl + MAX_CLOCK_SKEW_S, not_before), now + 2 * ttl + 2 * MAX_CLOCK_SKEW_S - 1.0)
+    value = {**record, "time": now}
+    return await dht.store(peers_key(run_id), subkey=peer, value=value, expiration_time=expires, exclude_self=elsewhere)
+
+
+async def stored_expiration(dht: DHTNode, run_id: str, peer: str) -> float:
+    """When ``peer``'s heartbeat record now in the DHT expires (0: none found): a store that expires sooner is
+    refused, as when an earlier process of the same identity stored a longer-lived one."""
+    found = await dht.get(peers_key(run_id), latest=True)
+    item = found.value.get(peer) if found is not None and isinstance(found.value, dict) else None
+    expires = getattr(item, "expiration_time", 0.0)
+    return float(expires) if isinstance(expires, int | float) else 0.0
 
 
 async def read_heartbeats(dht: DHTNode, run_id: str) -> list[Heartbeat]:

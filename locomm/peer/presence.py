@@ -182,13 +182,14 @@ class Presence:
 
     async def download(
         self,
-        donors_of: Callable[[list[Heartbeat]], list[str]],
+        donors_of: Callable[[list[Heartbeat], Mapping[str, str]], list[str]],
         expected: Mapping[str, tuple[int, ...]],
         load: Callable[[dict[str, Any]], None],
         judge: Judge | None = None,
         **event: Any,
     ) -> Synced | None:
-        """The swarm's state, from the peers ``donors_of`` picks in a fresh heartbeat read (ours excluded), loaded
+        """The swarm's state, from the peers ``donors_of(beats, groups)`` picks in a fresh heartbeat read (ours
+        excluded; ``groups``: each connected peer's ``membership.netgroup``, for donors of many groups), loaded
         with ``load`` in the compute thread; up to STATE_ATTEMPTS whole downloads, STATE_RETRY_S apart. None when
         none succeeded (a ``sync_failed`` event; the driver goes on from its own weights). ``judge``: the driver's
         check of each candidate state (state_sync's rule 6). ``event``: extra fields of the ``synced`` /
@@ -204,7 +205,8 @@ class Presence:
                 await host.sleep(STATE_RETRY_S[attempt - 1])
                 if host.stop.is_set():
                     break
-            donors = donors_of([b for b in await host.read_beats() if b.peer != host.me])
+            beats = [b for b in await host.read_beats() if b.peer != host.me]
+            donors = donors_of(beats, await host.netgroups())
             got = await host.fetch_state(donors, expected, judge) if donors else None
             if got is not None or host.stop.is_set():
                 break
@@ -383,8 +385,7 @@ class Presence:
                 await asyncio.wait_for(host.hurry.wait(), 0.25)
         self.left = True
         d.phase = "left"
-        with contextlib.suppress(Exception):  # a failed store: the heartbeat expires instead
-            await host.publish()
+        await publish_quietly(host)  # a failed store (logged): the heartbeat expires instead
         handover = time.monotonic() - t0
         host.events.write("left", **d.describe(), round=d.round, handover_s=handover, undelivered=sorted(waiting))
         if waiting:
@@ -409,6 +410,30 @@ async def first_of(timeout: float | None, *events: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
+
+
+async def finish_or_stop(host: Host, task: asyncio.Future, grace_s: float) -> bool:
+    """Wait for ``task`` (a round's pending exchange). A stop (the first signal), before or while it runs, leaves
+    it ``grace_s`` more and a second signal (``host.hurry``) none: a Ctrl-C never waits on an exchange's own
+    deadlines. True when it finished (its result is ready); otherwise it is cancelled and False."""
+    if not task.done():
+        stopping = asyncio.ensure_future(host.stop.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+    if not task.done():
+        hurry = asyncio.ensure_future(host.hurry.wait())
+        try:
+            await asyncio.wait({task, hurry}, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurry.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
 
 
 def finite(x: float) -> float | None:

@@ -28,6 +28,7 @@ class FakeHost:
         self.fetches: list[list[str]] = []
         self.judges: list[Any] = []
         self.fetch_answers: list[Any] = []
+        self.group_reads = 0
 
     async def compute(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
@@ -46,6 +47,10 @@ class FakeHost:
         self.fetches.append(donors)
         self.judges.append(judge)
         return self.fetch_answers.pop(0) if self.fetch_answers else None
+
+    async def netgroups(self) -> dict[str, str]:
+        self.group_reads += 1
+        return {"d0": f"ip4:10.{self.group_reads}.0.0/16"}
 
     def refresh_soon(self) -> None:
         pass
@@ -140,11 +145,15 @@ async def test_a_download_asks_fresh_donors_each_attempt_then_gives_up():
     host, _, presence = _rig()
     reads = iter(range(100))
 
-    def donors(beats: list[Heartbeat]) -> list[str]:
+    seen_groups = []
+
+    def donors(beats: list[Heartbeat], groups: dict[str, str]) -> list[str]:
+        seen_groups.append(groups["d0"])
         return [f"d{next(reads)}"]
 
     got = await presence.download(donors, {}, lambda t: None)
     assert got is None
+    assert seen_groups == [f"ip4:10.{i + 1}.0.0/16" for i in range(STATE_ATTEMPTS)]  # the connections, read anew
     assert host.fetches == [[f"d{i}"] for i in range(STATE_ATTEMPTS)]
     assert host.slept == [2.0, 4.0, 8.0, 8.0]
     assert host.events.log == [("sync_failed", {"donors": 1})]
@@ -159,10 +168,46 @@ async def test_a_download_that_succeeds_loads_what_it_got():
     async def judge(tensors: Any) -> str | None:
         return None
 
-    got = await presence.download(lambda beats: ["a", "b"], {}, loaded.append, judge, stage=2)
+    got = await presence.download(lambda beats, groups: ["a", "b"], {}, loaded.append, judge, stage=2)
     assert got is synced and loaded == [{"w": 1}] and len(host.fetches) == 2
     assert host.judges == [judge, judge]  # the driver's check goes with every attempt
     assert host.events.log[-1] == (
         "synced",
         {"donors": 2, "donor_round": 3, "tensors": 1, "rule": "majority", "faulted": 0, "stage": 2},
     )
+
+
+def test_a_stop_while_an_exchange_runs_gives_it_the_grace_and_a_second_signal_none():
+    """Ctrl-C while a round's exchange is awaited (its partners crashed: it would run to its own deadline, up to
+    ``max_wait_s``) leaves it ``grace_s`` more, a second Ctrl-C none. On the main before, the wait began before the
+    signal and took no notice of either: a peer whose partners had crashed sat out both signals (measured: 2 min
+    and counting, killed)."""
+    from locomm.peer.presence import finish_or_stop
+    from locomm.testing.clock import run
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        host = FakeHost()
+        quick = asyncio.ensure_future(asyncio.sleep(3.0, result="got"))
+        assert await finish_or_stop(host, quick, 10.0) and quick.result() == "got"  # no stop: waited for
+
+        t0 = loop.time()
+        slow = asyncio.ensure_future(asyncio.sleep(600.0))
+        loop.call_later(5.0, host.stop.set)
+        assert not await finish_or_stop(host, slow, 10.0) and slow.cancelled()
+        assert loop.time() - t0 == pytest.approx(15.0)  # the stop at 5 s, then the grace
+
+        host = FakeHost()
+        t0 = loop.time()
+        slow = asyncio.ensure_future(asyncio.sleep(600.0))
+        loop.call_later(5.0, host.stop.set)
+        loop.call_later(7.0, host.hurry.set)
+        assert not await finish_or_stop(host, slow, 10.0)
+        assert loop.time() - t0 == pytest.approx(7.0)  # the second signal ends it at once
+
+        host = FakeHost()
+        host.stop.set()  # stopping already: an exchange that lands within the grace is still applied
+        landing = asyncio.ensure_future(asyncio.sleep(8.0, result="late"))
+        assert await finish_or_stop(host, landing, 10.0) and landing.result() == "late"
+
+    run(body())

@@ -19,7 +19,6 @@ so no two of them ever race.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -35,7 +34,7 @@ from locomm.config import ConfigError, RunSpec
 from locomm.peer.dataparallel.partners import Partners
 from locomm.peer.host import Host
 from locomm.peer.options import NodeOptions
-from locomm.peer.presence import JOIN_MARGIN_ROUNDS, Presence, finite
+from locomm.peer.presence import JOIN_MARGIN_ROUNDS, Presence, finish_or_stop, finite
 from locomm.peer.transport.state_sync import (
     Judge,
     Snapshot,
@@ -305,7 +304,9 @@ class Node:
             self.phase = "syncing"
             expected = expected_layout(state_tensors(self.algo.phi, self.algo))  # what _snapshot serves
             await self.presence.download(
-                lambda bs: state_donors(bs, swarm_round(bs), _round, prefer=host.trusted),
+                lambda bs, groups: state_donors(
+                    bs, swarm_round(bs), _round, prefer=host.trusted, groups=groups, since=host.since()
+                ),
                 expected,
                 self.load_state,
                 self._judge(beats),
@@ -465,20 +466,13 @@ class Node:
         if task is None:
             return
         t0 = time.perf_counter()
-        if self.host.stop.is_set():  # shutting down: give the exchange a few seconds (none after a second signal)
-            self.phase = "stopping"
-            hurry = asyncio.ensure_future(self.host.hurry.wait())
-            done, _ = await asyncio.wait({task, hurry}, timeout=STOP_EXCHANGE_S, return_when=asyncio.FIRST_COMPLETED)
-            hurry.cancel()
-            if task not in done:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                self.rounds.drop()
-                return
         if not task.done():
-            self.phase = "exchanging"
-        received, self.last_answered = await task
+            self.phase = "stopping" if self.host.stop.is_set() else "exchanging"
+        # Shutting down, before or meanwhile: the exchange gets a few seconds more (none after a second signal).
+        if not await finish_or_stop(self.host, task, STOP_EXCHANGE_S):
+            self.rounds.drop()
+            return
+        received, self.last_answered = task.result()
         self.wait_s += time.perf_counter() - t0
         self.phase = "training"
         await self.host.compute(self._apply, received)

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from locomm.peer.host import Host
 from locomm.peer.options import NodeOptions
 from locomm.peer.pipeline.checkpoint import StageCheckpoints
 from locomm.peer.pipeline.service import Lost, StageService
-from locomm.peer.presence import Presence, finite, first_of
+from locomm.peer.presence import Presence, finish_or_stop, finite, first_of
 from locomm.peer.transport.state_sync import (
     Snapshot,
     StateServer,
@@ -302,10 +303,10 @@ class Stage:
         if not wanted:
             return  # nobody has trained yet, or our own state is as new as theirs
 
-        def donors(beats: list[Heartbeat]) -> list[str]:
+        def donors(beats: list[Heartbeat], groups: Mapping[str, str]) -> list[str]:
             sib = self._siblings(beats)
             top = robust_top((_clock(b) for b in sib), slack=H)
-            return state_donors(sib, top, _clock, slack=H, prefer=host.trusted)
+            return state_donors(sib, top, _clock, slack=H, prefer=host.trusted, groups=groups, since=host.since())
 
         expected = expected_layout(state_tensors(self.params(), self.algo))
         got = await self.presence.download(donors, expected, self._load_state, stage=self.stage)
@@ -508,13 +509,17 @@ class Stage:
         self.exchange = None
         if grace_s is not None:
             await asyncio.wait({task}, timeout=grace_s)
-        if (self.host.stop.is_set() or grace_s is not None) and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            finished = task.done()
+            if not finished:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        else:  # a stop, before or meanwhile, ends it at once (finish_or_stop cancels it)
+            finished = await finish_or_stop(self.host, task, 0.0)
+        if not finished:
             self.rounds.drop()
             return
-        got = await task
+        got = task.result()
         self.last_answered = len(got)
         await self.svc.quiesced(self._apply, planned.received(self.host.me, got))
 

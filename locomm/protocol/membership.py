@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import ipaddress
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -139,6 +140,8 @@ _PARSE = {
     "island": lambda v: _str(v, MAX_ISLAND_LEN),
     "island_rep": _bool,
     "island_proof": lambda v: _str(v, 128),
+    "island_commit": lambda v: _str(v, 64),
+    "island_salt": lambda v: _str(v, 64),
 }
 
 
@@ -202,6 +205,10 @@ class Heartbeat:
     """It represents its island in the outer rounds; the island's other members are members of no round."""
     island_proof: str = ""
     """A closed island's HMAC of this peer id (hex; ``peer/island/member.py``)."""
+    island_commit: str = ""
+    """While its island forms: the hash of the salt it will reveal (hex; ``peer/island/wire.island_order``)."""
+    island_salt: str = ""
+    """Once every member of its island committed: the salt itself (hex); the salts order the representatives."""
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """Fields this version does not know (a newer peer's), kept for display only."""
 
@@ -386,6 +393,35 @@ STATE_RETRY_S = (2.0, 4.0, 8.0, 8.0)
 it goes on from its own weights."""
 
 
+def netgroup(addrs: Iterable[str]) -> str:
+    """The network group of a peer as its live connections show it (the remote multiaddrs this node's p2pd
+    holds to it, not what it declares): an IPv4 /16 or an IPv6 /32, as Bitcoin Core buckets its peers
+    (``CNetAddr::GetGroup``), so identities minted on one machine, or one provider's block, share a group.
+    A direct connection decides over a relayed one; a relayed one names the relay's group (the peer's own
+    address is hidden behind it); a DNS name is its own group; no connection: ``"?"`` (one group for all)."""
+    direct = [a for a in addrs if "/p2p-circuit" not in a]
+    relayed = [a for a in addrs if "/p2p-circuit" in a]
+    for a, kind in [*((a, "") for a in direct), *((a, "relay:") for a in relayed)]:
+        parts = a.split("/")
+        if len(parts) < 3:
+            continue
+        proto, host = parts[1], parts[2]
+        try:
+            if proto == "ip4":
+                ip = ipaddress.IPv4Address(host)
+                return f"{kind}ip4:{ipaddress.IPv4Network((ip, 16), strict=False)}"
+            if proto == "ip6":
+                ip6 = ipaddress.IPv6Address(host)
+                if ip6.ipv4_mapped is not None:
+                    return f"{kind}ip4:{ipaddress.IPv4Network((ip6.ipv4_mapped, 16), strict=False)}"
+                return f"{kind}ip6:{ipaddress.IPv6Network((ip6, 32), strict=False)}"
+        except ValueError:
+            continue
+        if proto in ("dns", "dns4", "dns6", "dnsaddr"):
+            return f"{kind}dns:{host.lower()}"
+    return "?"
+
+
 def state_donors(
     beats: Iterable[Heartbeat],
     top: int,
@@ -394,13 +430,20 @@ def state_donors(
     slack: int = 1,
     n: int = DONORS,
     prefer: Collection[str] = (),
+    groups: Mapping[str, str] | None = None,
+    since: Mapping[str, int] | None = None,
 ) -> list[str]:
     """Whom a joiner asks for state, for every driver: live admitted peers that have started (not leaving, not
     paused, not an island follower, which serves no fresh state), none further along than ``slack`` past ``top``
-    (the swarm's robust top: one claiming round 10^9 is not asked); the peers in ``prefer`` first (the user's
-    ``--initial-peers``: the identities the user chose to trust, which minted identities claiming the top round
-    cannot push out of the list), then nearest to ``top``, further along first on a tie. ``progress``: a
-    heartbeat's round (data-parallel) or data clock (a pipeline stage)."""
+    (the swarm's robust top: one claiming round 10^9 is not asked).
+
+    The order: the peers in ``prefer`` first (the user's ``--initial-peers``: the identities the user chose to
+    trust, which minted identities claiming the top round cannot push out of the list); then one peer of each
+    network group before a second of any (``groups``: peer -> :func:`netgroup` of its live connections; a peer
+    not in it is in ``"?"``), so identities minted behind one address fill one donor slot while other groups
+    have peers to ask; within that, nearest to ``top``, further along first, then the one we have seen alive
+    longest (``since``: our round when we first saw it, as ``Host.since``; a peer not in it counts as seen
+    last). ``progress``: a heartbeat's round (data-parallel) or data clock (a pipeline stage)."""
     near = [
         b
         for b in beats
@@ -410,7 +453,15 @@ def state_donors(
         and not (b.island and not b.island_rep)
         and progress(b) <= top + slack
     ]
-    order = sorted(near, key=lambda b: (b.peer not in prefer, abs(progress(b) - top), -progress(b)))
+    seen = since or {}
+    base = sorted(near, key=lambda b: (abs(progress(b) - top), -progress(b), seen.get(b.peer, MAX_ROUND)))
+    taken: dict[str, int] = {}
+    rank: dict[str, int] = {}
+    for b in base:  # a peer's place within its group: 0 for the best of each group
+        g = (groups or {}).get(b.peer, "?")
+        rank[b.peer] = taken.get(g, 0)
+        taken[g] = rank[b.peer] + 1
+    order = sorted(base, key=lambda b: (b.peer not in prefer, rank[b.peer]))  # stable: base order within
     return [b.peer for b in order[:n]]
 
 

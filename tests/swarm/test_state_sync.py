@@ -16,6 +16,7 @@ import pytest_asyncio
 import torch
 from hivemind.p2p import P2P
 
+from locomm.peer.transport.paths import live_connections
 from locomm.peer.transport.rpc import RpcServer
 from locomm.peer.transport.state_sync import (
     Judge,
@@ -26,6 +27,7 @@ from locomm.peer.transport.state_sync import (
     fetch_state,
     loss_verdict,
 )
+from locomm.protocol.membership import Heartbeat, netgroup, state_donors
 from locomm.protocol.timing import Limits
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="module")]
@@ -266,3 +268,54 @@ async def test_the_judge_takes_every_honest_state(net):
     fresh = held_out_loss({k: torch.zeros_like(v) for k, v in honest[0].items()})
     got, faults = await sync(net.joiner, donors, judge_with(published, fresh))
     assert got is not None and got.rule == "median" and len(got.donors) == 5 and faults == []
+
+
+async def test_identities_minted_behind_one_address_fill_one_donor_slot():
+    """Four identities on one machine (one /16: 127.9/16 here) claim the top round and serve one poisoned state;
+    four honest donors sit in four other groups (127.1-127.4/16: every 127/8 address is loopback on Linux, and
+    p2pd's connections show each peer's own source address, inbound or outbound). Ordered by claimed round,
+    the minted identities were 4 of the 5 donors and their state won the majority rule; ordered one per network
+    group first (``membership.netgroup`` of the joiner's live connections), they are one donor of five and the
+    median stays within the honest donors' range. No loss check here: a poison as good on held-out data as an
+    honest state (a backdoor) is what this rule is for."""
+    honest_ips = [f"127.{i}.0.1" for i in range(1, 5)]
+    minted_ips = [f"127.9.0.{i}" for i in range(1, 5)]
+    pool = ThreadPoolExecutor(1)
+    peers: list[P2P] = []
+    try:
+        joiner = await P2P.create(host_maddrs=["/ip4/127.5.0.1/tcp/0"])
+        peers.append(joiner)
+        at = [str(m) for m in await joiner.get_visible_maddrs()]
+        peers += await asyncio.gather(
+            *(P2P.create(host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=at) for ip in honest_ips + minted_ips)
+        )
+        honest = [state(seed=s, jitter=0.01) for s in (1, 2, 3, 4)]
+        poison = {k: v + 1000.0 for k, v in state().items()}
+        for p, snap in zip(peers[1:], [Snapshot.take(5, h) for h in honest] + [Snapshot.take(6, poison)] * 4):
+            server = StateServer(RUN, copies=10)
+            server.snapshot = snap
+            await RpcServer(p, RUN, LIMITS, pool, authorize=None).add(server.service())
+        ids = [p.peer_id.to_base58() for p in peers[1:]]
+        beats = [Heartbeat(peer=i, round=5 + (k >= 4), started=True) for k, i in enumerate(ids)]
+        groups = {peer: netgroup(addrs) for peer, addrs in (await live_connections(joiner)).items()}
+        assert {groups[i] for i in ids[4:]} == {"ip4:127.9.0.0/16"}
+        assert len({groups[i] for i in ids[:4]}) == 4
+
+        before = state_donors(beats, 6, lambda b: b.round)
+        assert before[:4] == ids[4:]  # ordered by claimed round: the minted four first ...
+        got, _ = await sync(joiner, before)
+        assert got is not None and got.rule == "majority"  # ... and their state won
+        assert_state(got.tensors, poison)
+
+        donors = state_donors(beats, 6, lambda b: b.round, groups=groups)
+        assert sorted(donors) == sorted(ids[:4] + ids[4:5])  # one minted identity, then the four groups
+        got, _ = await sync(joiner, donors)
+        assert got is not None and got.rule == "median"
+        for k in EXPECTED:
+            lo = torch.stack([h[k] for h in honest]).amin(0)
+            hi = torch.stack([h[k] for h in honest]).amax(0)
+            assert bool(((got.tensors[k] >= lo) & (got.tensors[k] <= hi)).all()), k
+    finally:
+        for p in peers:
+            await p.shutdown()
+        pool.shutdown()

@@ -143,6 +143,40 @@ def test_one_donor_rule_for_every_driver():
     assert state_donors(beats, top, lambda b: b.round, prefer=prefer) == ["h5", "h2", "h0", "h1", "rep"]
 
 
+def test_donors_come_one_per_network_group_before_a_second_of_any():
+    """Identities minted behind one address (one machine, one provider's /16) all claim the top round: without
+    groups they were every donor a joiner asked; with them they fill one slot while other groups have peers,
+    so neither the majority rule nor the median of 5 is theirs. Between equals, the peer seen alive longest
+    first. The group is what the live connection shows, not what the peer declares."""
+    from locomm.protocol.membership import netgroup, state_donors
+
+    def beat(peer: str, r: int) -> Heartbeat:
+        return Heartbeat(peer=peer, round=r, started=True)
+
+    sybils = [beat(f"s{i}", 12) for i in range(8)]
+    honest = [beat(f"h{i}", 11) for i in range(4)]
+    groups = {f"s{i}": netgroup([f"/ip4/203.0.{113 + i % 2}.7/tcp/{4000 + i}"]) for i in range(8)}
+    groups |= {"h0": netgroup(["/ip4/198.51.100.2/tcp/1"]), "h1": netgroup(["/ip6/2001:db8::1/tcp/1"])}
+    groups |= {"h2": netgroup(["/ip4/192.0.2.9/tcp/1/p2p/QmR/p2p-circuit", "/ip4/10.1.2.3/tcp/1"])}  # direct wins
+    # h3: no live connection, the "?" group
+    assert len({groups[f"s{i}"] for i in range(8)}) == 1  # one /16
+    assert groups["h2"] == "ip4:10.1.0.0/16" and groups["h1"] == "ip6:2001:db8::/32"
+    beats = sybils + honest
+    assert state_donors(beats, 12, lambda b: b.round) == ["s0", "s1", "s2", "s3", "s4"]  # before: all minted
+    got = state_donors(beats, 12, lambda b: b.round, groups=groups)
+    assert got == ["s0", "h0", "h1", "h2", "h3"]  # one minted identity of five
+    # fewer groups than donors: once every group has given one, the rest fill in the same order (the bound is
+    # in groups: 5 donors need 5 groups for one group to hold one slot)
+    assert state_donors(beats, 12, lambda b: b.round, groups=groups, n=7) == [*got, "s1", "s2"]
+    # relayed only: the relay's group (the peer's own address is hidden behind it); names, then nothing
+    assert netgroup(["/ip4/192.0.2.9/tcp/1/p2p/QmR/p2p-circuit"]) == "relay:ip4:192.0.0.0/16"
+    assert netgroup(["/dns4/Peer.example/tcp/1"]) == "dns:peer.example" and netgroup([]) == netgroup(["junk"]) == "?"
+    assert netgroup(["/ip6/::ffff:203.0.113.7/tcp/1"]) == groups["s0"]  # a mapped IPv4 is that IPv4
+    # between equals, the one seen alive longest (our round when we first saw it) first
+    since = {"h1": 3, "h0": 9}
+    assert state_donors(honest, 11, lambda b: b.round, since=since) == ["h1", "h0", "h2", "h3"]
+
+
 def test_a_heartbeat_from_the_future_does_not_keep_a_peer_fresh():
     """A heartbeat's ``time`` is its writer's to choose: one far in the reader's future kept a dead (or minted)
     peer a member for the record's whole life. Within MAX_CLOCK_SKEW_S it is a clock, past it a lie."""

@@ -109,3 +109,20 @@ def test_a_closed_island_admits_only_peers_that_hold_its_key():
     assert island_members(beats, "x", key, run_id) == [a, b]
     assert island_members(beats, "x", None, run_id) == [a, b, c, d, "QmE"]  # an open island: anyone naming it
     assert island_members(beats, "x", key, "another run") == []
+
+
+def test_the_draw_binds_each_member_before_any_salt_is_seen_and_no_peer_id_picks_the_leader():
+    import os
+
+    from locomm.peer.island.wire import SALT_BYTES, island_commitment, island_order
+
+    roster = [f"QmMember{i}" for i in range(4)]
+    salts = {p: os.urandom(SALT_BYTES) for p in roster}
+    order = island_order(roster, salts)
+    assert sorted(order) == roster and island_order(list(reversed(roster)), salts) == order  # everyone's order
+    assert island_commitment(salts[roster[0]]) != island_commitment(salts[roster[1]])
+    assert len(island_commitment(salts[roster[0]])) == 64
+    # An outsider grinding ids for a low one gains nothing: over many draws, every seat leads about as often.
+    ground = ["Qm000000000000000000000000000000000000000000000a", *roster[1:]]
+    leads = sum(island_order(ground, {p: os.urandom(SALT_BYTES) for p in ground})[0] == ground[0] for _ in range(400))
+    assert 60 < leads < 140, leads  # 1 in 4: 100 of 400 expected (binomial sd 8.7)

@@ -3,7 +3,9 @@ the swarm by gossip through one of them, the representative.
 
 ``locomm-peer join --island NAME --island-size N``. The N peers that publish the same island name form it; its
 roster (sorted peer ids) gives each a rank, which owns one slice of the SCAPE masks (``protocol/scape.py``). The
-representative is the lowest live peer id; it alone takes part in the outer rounds (``members_for_round`` skips
+representative is drawn: each member commits to a random salt in its heartbeat, reveals it once all have
+committed, and the salts order the members (``wire.island_order``), so no one, an outsider grinding peer ids
+included, picks it. It alone takes part in the outer rounds (``members_for_round`` skips
 the others: their heartbeats say ``island`` without ``island_rep``). ``--island-key FILE`` (a secret or a list of
 peer ids, as ``--swarm-key``) closes the island: a member's heartbeat then carries an HMAC of its own peer id, and
 a peer that names the island without it is not a member.
@@ -22,7 +24,7 @@ outer state (``island.outer``: phi and the outer algorithm's buffers) and applie
 ``theta <- theta + (phi - theta_sent)``, the arithmetic of ``protocol/rounds.apply_late``.
 
 Failover: a follower whose request to the representative fails (unreachable, broken, cut, or the peer's final
-heartbeat) drops it and takes the lowest live member left; that one leads from its current step, the others
+heartbeat) drops it and takes the next live member in the drawn order; that one leads from its current step, the others
 download its state (``island.state``: weights, AdamS state, step, mask, outer state) and go on from there. A
 follower that the representative dropped for missing a step's deadline does the same when it comes back.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -44,11 +47,14 @@ from locomm.peer.island.representative import Representative
 from locomm.peer.island.state import Trainee, apply_outer, load_state, state_header
 from locomm.peer.island.wire import (
     NEVER_PLANNED,
+    SALT_BYTES,
     LeaderBusy,
     LeaderLost,
     MustResync,
     busy_or_lost,
+    island_commitment,
     island_members,
+    island_order,
     island_proof,
     read_state,
     read_synced,
@@ -85,7 +91,10 @@ class Island:
         self.key = SwarmKey.load(key) if key is not None else None
         self.loop = asyncio.get_running_loop()
         self.roster: list[str] = []
+        self.order: list[str] = []
+        """Who represents the island, first to last (the draw: ``wire.island_order``)."""
         self.leader: str | None = None
+        self.commit, self.salt = "", ""
         self.dead: set[str] = set()
         self.sent: dict[int, dict[str, torch.Tensor]] = {}
         """theta_sent of the rounds a follower snapshotted and has not landed yet."""
@@ -105,7 +114,8 @@ class Island:
 
     def beat_fields(self) -> dict[str, Any]:
         proof = island_proof(self.key, self.host.run_id, self.name, self.host.me) if self.key is not None else ""
-        return {"island": self.name, "island_rep": self.leading, "island_proof": proof}
+        draw = {"island_commit": self.commit, "island_salt": self.salt}
+        return {"island": self.name, "island_rep": self.leading, "island_proof": proof, **draw}
 
     def service(self) -> Service:
         rep = self.rep
@@ -131,15 +141,53 @@ class Island:
         shapes = {k: tuple(p.shape) for k, p in self.node.params().items()}
         outer = self.node.spec.outer
         self.sync = ScapeSync.of_spec(shapes, outer, rank=self.roster.index(self.host.me), workers=self.size)
-        self.leader = self.roster[0]
+        self.order = await self._draw()
+        self.leader = self.order[0]
         if self.key is None:
             log.warning("island %s is open: any peer that names it can join (--island-key FILE closes it)", self.name)
         self.rep.active = set(self.roster) - {self.host.me} if self.leading else set()
-        self.host.events.write("island", name=self.name, roster=self.roster, leader=self.leader)
+        self.host.events.write("island", name=self.name, roster=self.roster, order=self.order, leader=self.leader)
         log.info("island %s: %s, representative %s", self.name, [p[-8:] for p in self.roster], self.leader[-8:])
         self.host.publish_soon()  # island_rep: the swarm's rounds count the representative at once
         if not self.leading:
             await self._resync()
+
+    async def _draw(self) -> list[str]:
+        """Commit to a random salt, then reveal it once every member of the roster has committed: the salts
+        order the representatives (``wire.island_order``), so no peer id, however ground, picks the leader. The
+        first commitment seen of each member binds it; a member that reveals another salt, or does not commit or
+        reveal within ``FORM_TIMEOUT_S``, stops the island forming (ConfigError naming it)."""
+        me, salt = self.host.me, os.urandom(SALT_BYTES)
+        commits, salts = {me: island_commitment(salt)}, {me: salt}
+        self.commit, self.salt = commits[me], ""
+        self.host.publish_soon()
+
+        def committed(beats: list) -> bool:
+            for b in beats:
+                if b.peer in self.roster and b.island == self.name and b.island_commit:
+                    commits.setdefault(b.peer, b.island_commit)
+            return set(commits) >= set(self.roster)
+
+        def revealed(beats: list) -> bool:
+            for b in beats:
+                if b.peer in commits and b.peer not in salts and b.island_salt:
+                    try:
+                        got = bytes.fromhex(b.island_salt)
+                    except ValueError:
+                        continue
+                    if island_commitment(got) != commits[b.peer]:
+                        raise ConfigError(f"island {self.name!r}: {b.peer} revealed a salt it had not committed to")
+                    salts[b.peer] = got
+            return set(salts) >= set(self.roster)
+
+        for phase, ready, have in (("commitments", committed, commits), ("salts", revealed, salts)):
+            await self.host.wait_for(ready, FORM_TIMEOUT_S, f"the draw's {phase} of island {self.name!r}")
+            if missing := sorted(set(self.roster) - set(have)):
+                raise ConfigError(f"island {self.name!r}: no draw {phase} from {missing} in {FORM_TIMEOUT_S:.0f} s")
+            if phase == "commitments":
+                self.salt = salt.hex()  # every member is bound now: reveal
+                self.host.publish_soon()
+        return island_order(self.roster, salts)
 
     def rank(self, peer: str) -> int:
         return self.roster.index(peer)
@@ -365,7 +413,8 @@ class Island:
         old = self.leader
         if old is not None and old != self.host.me:
             self.dead.add(old)
-        members = [p for p in self._live_members(await self.host.read_beats()) if p in self.roster]
+        alive = set(self._live_members(await self.host.read_beats()))
+        members = [p for p in self.order if p in alive]
         self.leader = members[0] if members else self.host.me
         if self.leader != old:
             self.stats["failovers"] += 1

@@ -1,5 +1,5 @@
 """The island service's wire bytes (``peer/island/member.py``): the synchronized buffer, named fp32 tensors, a
-state answer's fields; a closed island's membership proof.
+state answer's fields; a closed island's membership proof; the draw of its representatives.
 
 Every size is checked against what this member expects before anything is allocated: the values of a step
 against its own mask (the members' masks are identical), a tensor against its own model's layout; a body that
@@ -8,6 +8,7 @@ does not fit is a ``ProtocolViolation``, never an exception inside the step loop
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -34,6 +35,26 @@ def island_proof(key: SwarmKey, run_id: str, name: str, peer: str) -> str:
 
 def _proof_message(run_id: str, name: str, peer: str) -> bytes:
     return f"locomm-island:{run_id}:{name}:{peer}".encode()
+
+
+SALT_BYTES = 32
+
+
+def island_commitment(salt: bytes) -> str:
+    """What a forming member publishes before its salt: a hash that binds it to the salt it will reveal."""
+    return hashlib.sha256(b"locomm-island-commit:" + salt).hexdigest()
+
+
+def island_order(roster: list[str], salts: dict[str, bytes]) -> list[str]:
+    """The order in which the roster's members represent the island (the first one leads; a failover takes the
+    next one alive): by a hash of every member's salt and the peer id.
+
+    The salts were committed to (:func:`island_commitment`) before any was revealed, so no member, and no
+    outsider grinding peer ids for a low one, can choose where it falls; it would need the others' salts before
+    committing to its own. A member that withholds its salt stops the island forming (as a missing member
+    does); it cannot pick the leader."""
+    seed = hashlib.sha256(b"".join(salts[p] for p in sorted(roster))).digest()
+    return sorted(roster, key=lambda p: hashlib.sha256(seed + p.encode()).digest())
 
 
 def island_members(beats: Iterable[Any], name: str, key: SwarmKey | None, run_id: str) -> list[str]:

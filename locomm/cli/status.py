@@ -23,6 +23,10 @@ from rich.table import Table
 STALE_AFTER_S = 15.0
 HELLO_S = 5.0
 """How long a peer has to answer status's hello (``peer/transport/hello.py``) before it shows "no answer"."""
+ANSWERED_S = 30.0
+"""A reader that keeps reading (``--watch``, ``--serve``) shows a peer that answered within this long as training,
+though its latest hello went unanswered: a peer busy for a few seconds (a long step on loaded cores) is not
+"no answer" until it misses hellos for this long."""
 
 
 def unnamed(initial_peers: list[str]) -> str | None:
@@ -52,6 +56,8 @@ class SwarmReader:
         self.p2p: Any = None
         self.dht: Any = None
         self.spec: dict[str, Any] | None = None
+        self.answered_at: dict[str, float] = {}
+        """Per peer, when it last answered our hello (time.monotonic())."""
 
     async def __aenter__(self) -> SwarmReader:
         from hivemind.dht import DHTNode  # noqa: PLC0415
@@ -113,12 +119,16 @@ class SwarmReader:
         # A heartbeat is a signed record anyone with a key can store; whether a p2pd answers for it is what
         # the peers themselves count by (protocol/sightings.py): ask each, as they do.
         answers = await asyncio.gather(*(hello.ask(self.p2p, run_id, b.peer, HELLO_S) for b in beats))
+        t = time.monotonic()
+        self.answered_at |= {b.peer: t for b, a in zip(beats, answers, strict=True) if a}
+        self.answered_at = {p: when for p, when in self.answered_at.items() if when > t - ANSWERED_S}
         peers = []
-        for b, answered in zip(beats, answers, strict=True):
+        for b, answered_now in zip(beats, answers, strict=True):
+            answered = b.peer in self.answered_at
             peers.append(
                 {
                     "peer": b.peer,
-                    "answers": answered,
+                    "answers": answered_now,
                     "round": b.round,
                     "join_round": b.join_round,
                     "admitted": b.admitted,

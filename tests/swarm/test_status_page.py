@@ -74,9 +74,11 @@ def test_status_page_in_headless_chromium_shows_every_peer_and_its_loss(tmp_path
                 d["snapshot"] is not None
                 and len(d["snapshot"]["peers"]) == 3
                 and all(sum(h["peer"] == p["peer"] for h in hist) >= 2 for p in d["snapshot"]["peers"])
+                and all(p["state"] == "training" for p in d["snapshot"]["peers"])  # each answered a hello
             )
 
-        wait_until(ready, 240, "three peers, each with two points of loss history on the page's JSON", peers)
+        what = "three training peers, each with two points of loss history on the page's JSON"
+        wait_until(ready, 240, what, peers)
         data = get_json(url + "status.json")
         ids = {p["peer"] for p in data["snapshot"]["peers"]}
         assert data["error"] is None and len(ids) == 3

@@ -3,11 +3,13 @@
 Two parts, both resumable (one JSON per run in benchmarks/results/scale/, skipped when on disk):
 
 ``run``: real nano numerics in the simulator at 16, 32 and 64 workers (the budget of
-benchmarks/tune.py: batch 8 x 128, H = 20, 15 rounds, seed 2 (data, init and grouping), evaluated every
-round, on the data sharding of ``--setup``: iid_15r by default, contiguous_15r for the earlier runs), the daemon's
-schedule (overlap) and deadlines live on the network, so a partner that misses its deadline is
-skipped and the numerics are that network's. Settings: each algorithm's best point of
-benchmarks/tune.py where its sweep is on disk, else its documented default (the JSON says which).
+benchmarks/tune.py: batch 8 x 128, H = 20, 15 rounds for every method (equal schedules), evaluated every
+round, on the data sharding of ``--setup``: iid_15r by default, contiguous_15r for the earlier runs), each
+method's schedule (the daemon's overlap, or blocking as DiLoCo's paper runs it) and deadlines live on the
+network, so a partner that misses its deadline is skipped and the numerics are that network's. ``--seeds``
+(iid_15r: 2, 3, 4 by default) vary the data order, the init, the gossip draws and the network's draw of link
+and compute speeds; the contiguous runs were seed 2 on network draw 0 only. Settings: each run's best point
+of benchmarks/tune.py where its sweep is on disk, else its documented default (the JSON says which).
 Network: per-worker links 80 Mbit/s x 10^(-u), u ~ U(0, 1) (heterogeneity 1.0, up = down), compute
 speeds spread the same way, 30 ms latency, compute at 10 TFLOP/s for a speed-1 worker. Traffic and
 compute are those of a 125M-parameter model (bytes and FLOPs x 125M / nano, done as link, floor rate
@@ -45,23 +47,27 @@ OUT = _harness.results_path("scale") / SETUP
 SCALED_PARAMS = 125e6
 NET = dict(link_bps=80e6, latency_s=0.030, heterogeneity=1.0)
 SEED = 2
-RUNS = {  # name -> (algo, extra spec changes)
+RUNS = {  # name -> (benchmarks/tune.py algorithm or variant, whose tuned point and schedule it runs; spec changes)
     "noloco": ("noloco", {}),
     "diloco": ("diloco", {}),
     "diloco_sized_timeout": ("diloco", {"request_timeout_s": 3600.0}),
+    "diloco_blocking": ("diloco_blocking", {"request_timeout_s": 3600.0}),  # as DiLoCo's paper runs it
+    "noloco_blocking": ("noloco_blocking", {}),
 }
+REFERENCE = {"iid_15r": "diloco_blocking", "contiguous_15r": "diloco_sized_timeout"}
+"""The run the table compares against: DiLoCo as its paper runs it (the contiguous runs predate blocking)."""
 
 
 def setting(algo: str) -> tuple[dict[str, float], str]:
-    b = tune.best(algo, setup=SETUP)
-    if b is not None and len(tune.sweep_results(algo, SETUP)) == 12:
-        return b["params"], f"tuned (benchmarks/tune.py {SETUP}, complete sweep)"
+    b, n, points = tune.best(algo, setup=SETUP), len(tune.sweep_results(algo, SETUP)), len(tune.grid(algo))
+    if b is not None and n >= points:
+        return b["params"], f"tuned (benchmarks/tune.py {SETUP}, complete sweep of {n} points)"
     if b is not None:
-        return b["params"], f"best of {len(tune.sweep_results(algo, SETUP))}/12 {SETUP} sweep points so far"
+        return b["params"], f"best of {n}/{points} {SETUP} sweep points so far"
     return tune.grid(algo)[0], "documented default (no sweep on disk)"
 
 
-def scaled_network(workers: int, k: float, step_s: float) -> Any:
+def scaled_network(workers: int, k: float, step_s: float, seed: int = 0) -> Any:
     from locomm.sim import NetworkModel
 
     return NetworkModel.build(
@@ -70,26 +76,36 @@ def scaled_network(workers: int, k: float, step_s: float) -> Any:
         latency_s=NET["latency_s"],
         heterogeneity=NET["heterogeneity"],
         step_s=step_s * k,
-        seed=0,
+        seed=seed,
     )
 
 
-def run_one(name: str, workers: int, splits: Any, rounds: int) -> dict[str, Any]:
+def run_path(workers: int, name: str, seed: int, rounds: int) -> Any:
+    """Where a run's JSON goes: the contiguous runs (seed 2 only) keep their names; the others name the seed."""
+    tail = "" if rounds == tune.ROUNDS else f"_r{rounds}"
+    return OUT / (
+        f"w{workers}_{name}{tail}.json" if SETUP == "contiguous_15r" else f"w{workers}_{name}_s{seed}{tail}.json"
+    )
+
+
+def run_one(name: str, workers: int, splits: Any, rounds: int, seed: int = SEED) -> dict[str, Any]:
     from locomm.model import build_model
     from locomm.sim import Simulator
     from locomm.sim.network import flops_step_s
 
     algo, net_changes = RUNS[name]
     kw, why = setting(algo)
-    spec = tune.base_spec(SEED, SETUP).replace("outer", algo=algo, **kw).replace("train", steps=rounds * tune.H)
+    outer_algo, fixed, overlap = tune.VARIANTS.get(algo, (algo, {}, True))
+    spec = tune.base_spec(seed, SETUP).replace("outer", algo=outer_algo, **fixed, **kw)
+    spec = spec.replace("train", steps=rounds * tune.H)
     params = build_model(spec.model).num_parameters()
     k = SCALED_PARAMS / params
     # Bytes x k is link / k; so the floor rate too. Timeouts in seconds stay.
     spec = spec.replace("network", min_rate_mbit=spec.network.min_rate_mbit / k, **net_changes)
     step_s = flops_step_s(params, spec.data.batch_size * spec.data.seq_len, tune.TFLOPS)
-    net = scaled_network(workers, k, step_s)
+    net = scaled_network(workers, k, step_s, seed=0 if SETUP == "contiguous_15r" else seed)
     t0 = time.perf_counter()
-    sim = Simulator(spec, workers, splits=splits, network=net)
+    sim = Simulator(spec, workers, splits=splits, network=net, overlap=overlap)
     res = sim.run(rounds)
     tl = res.timeline
     util = tl.compute_utilisation()
@@ -100,7 +116,8 @@ def run_one(name: str, workers: int, splits: Any, rounds: int) -> dict[str, Any]
         "setting": why,
         "workers": workers,
         "rounds": rounds,
-        "seed": SEED,
+        "seed": seed,
+        "overlap": overlap,
         "scaled_params": SCALED_PARAMS,
         "network": NET,
         "network_changes": net_changes,
@@ -126,20 +143,22 @@ def cmd_run(a: argparse.Namespace) -> None:
     from locomm.data import load_corpus
 
     torch.set_num_threads(a.threads)
-    splits = load_corpus(tune.base_spec(SEED, SETUP).data)
-    for workers in a.workers:
-        for name in a.runs:
-            path = OUT / f"w{workers}_{name}{'' if a.rounds == tune.ROUNDS else f'_r{a.rounds}'}.json"
-            if _harness.done(path):
-                continue
-            r = run_one(name, workers, splits, a.rounds)
-            _harness.write_json(path, r)
-            print(
-                f"{name:22s} x{workers:<3d} val {r['final_val_loss']:.4f} wall {r['wall_s']:.0f} s "
-                f"util {100 * r['compute_utilisation_mean']:.0f}% skipped {r['partners_skipped']} "
-                f"({r['real_s']:.0f} s real, {r['peak_rss_mb']:.0f} MB)",
-                flush=True,
-            )
+    seeds = a.seeds or ([SEED] if SETUP == "contiguous_15r" else list(tune.CONFIRM_SEEDS))
+    for seed in seeds:
+        splits = load_corpus(tune.base_spec(seed, SETUP).data)
+        for workers in a.workers:
+            for name in a.runs:
+                path = run_path(workers, name, seed, a.rounds)
+                if _harness.done(path):
+                    continue
+                r = run_one(name, workers, splits, a.rounds, seed)
+                _harness.write_json(path, r)
+                print(
+                    f"{name:22s} x{workers:<3d} seed {seed} val {r['final_val_loss']:.4f} wall {r['wall_s']:.0f} s "
+                    f"util {100 * r['compute_utilisation_mean']:.0f}% skipped {r['partners_skipped']} "
+                    f"({r['real_s']:.0f} s real, {r['peak_rss_mb']:.0f} MB)",
+                    flush=True,
+                )
 
 
 def replay_one(
@@ -254,6 +273,8 @@ def ttt(steps: list[int], val: list[float], round_done: list[float], target: flo
 
 
 def cmd_table(a: argparse.Namespace) -> None:
+    if SETUP != "contiguous_15r":
+        return seeds_table(a)
     print(
         "| workers | run | setting | val loss | vs DiLoCo | t->target (s) | speed-up vs DiLoCo | wall (s) | "
         "DiLoCo's time to this loss (s) | loss-matched speed-up | compute util. mean / min | partners skipped |"
@@ -292,6 +313,80 @@ def cmd_table(a: argparse.Namespace) -> None:
             )
 
 
+def _spread(xs: list[float], fmt: str = ".4f") -> str:
+    """mean [min, max] (or the one value)."""
+    if len(xs) == 1:
+        return format(xs[0], fmt)
+    return f"{format(sum(xs) / len(xs), fmt)} [{format(min(xs), fmt)}, {format(max(xs), fmt)}]"
+
+
+def seeds_table(a: argparse.Namespace) -> None:
+    """Per worker count and run, over the seeds on disk: final loss, and time to a target every run of that seed
+    reaches (the highest final loss among the runs of the seed: equal schedules, so each one's last round at the
+    latest), against the reference (DiLoCo as its paper runs it) on the same seed and network draw."""
+    ref_name = REFERENCE[SETUP]
+    print(
+        f"| workers | run | seeds | val loss: mean [min, max] | vs {ref_name} (mean of per-seed) | "
+        f"time to target, s | speed-up vs {ref_name}: mean [per seed] | wall s | "
+        f"{ref_name}'s time to this run's final loss / this run's wall: mean [per seed] | compute util. | "
+        "partners skipped |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows_json = []
+    for workers in (16, 32, 64):
+        per_seed: dict[int, dict[str, dict[str, Any]]] = {}
+        for seed in range(10):
+            runs = {n: r for n in RUNS if (r := tune.load(run_path(workers, n, seed, tune.ROUNDS))) is not None}
+            if ref_name in runs and len(runs) > 1:
+                per_seed[seed] = runs
+        if not per_seed:
+            continue
+        for n in RUNS:
+            seeds = [sd for sd, runs in per_seed.items() if n in runs]
+            if not seeds:
+                continue
+            loss, rel, t_run, speed, wall, util, skipped, matched = [], [], [], [], [], [], [], []
+            for sd in seeds:
+                runs, r = per_seed[sd], per_seed[sd][n]
+                ref = runs[ref_name]
+                target = max(x["final_val_loss"] for x in runs.values())
+                t = ttt(r["steps"], r["val_loss"], r["round_done"], target)
+                t_ref = ttt(ref["steps"], ref["val_loss"], ref["round_done"], target)
+                loss.append(r["final_val_loss"])
+                rel.append(100 * (r["final_val_loss"] / ref["final_val_loss"] - 1))
+                t_run.append(t)
+                speed.append(t_ref / t if t > 0 and math.isfinite(t) and math.isfinite(t_ref) else math.nan)
+                wall.append(r["wall_s"])
+                # the other way round: how long the reference took to reach this run's final loss
+                t_match = ttt(ref["steps"], ref["val_loss"], ref["round_done"], r["final_val_loss"])
+                matched.append(t_match / r["wall_s"] if math.isfinite(t_match) and r["wall_s"] > 0 else math.nan)
+                util.append(100 * r["compute_utilisation_mean"])
+                skipped.append(r["partners_skipped"])
+            sp = ", ".join(f"{x:.2f}x" for x in speed)
+            print(
+                f"| {workers} | {n} | {len(seeds)} | {_spread(loss)} | {sum(rel) / len(rel):+.1f}% | "
+                f"{_spread(t_run, '.0f')} | {sum(speed) / len(speed):.2f}x [{sp}] | {_spread(wall, '.0f')} | "
+                f"{sum(matched) / len(matched):.2f}x [{', '.join(f'{x:.2f}x' for x in matched)}] | "
+                f"{_spread(util, '.1f')}% | {sum(skipped)} |"
+            )
+            rows_json.append(
+                dict(
+                    workers=workers,
+                    run=n,
+                    seeds=seeds,
+                    loss=loss,
+                    rel_pct=rel,
+                    ttt_s=t_run,
+                    speedup=speed,
+                    loss_matched=matched,
+                    wall_s=wall,
+                    util_pct=util,
+                    skipped=skipped,
+                )
+            )
+    _harness.write_json(OUT / "table.json", {"reference": ref_name, "rows": rows_json})
+
+
 def main() -> None:
     ap = _harness.parser(__doc__, out=False, summary=True)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -300,11 +395,13 @@ def main() -> None:
     r.add_argument(
         "--runs",
         nargs="+",
-        default=["noloco", "diloco_sized_timeout"],
+        default=["noloco", "diloco_blocking"],
         choices=list(RUNS),
-        help="diloco: DiLoCo under the daemon's byte-sized all-reduce deadline (not run by default)",
+        help="diloco: DiLoCo under the daemon's byte-sized all-reduce deadline (not run by default); "
+        "contiguous_15r's runs were noloco and diloco_sized_timeout",
     )
     r.add_argument("--rounds", type=int, default=tune.ROUNDS)
+    r.add_argument("--seeds", type=int, nargs="+", help="iid_15r: 2 3 4 (the tuned points' confirmation seeds)")
     r.add_argument("--threads", type=int, default=1)
     p = sub.add_parser("replay")
     p.add_argument("--workers", type=int, nargs="+", default=[256, 1024])

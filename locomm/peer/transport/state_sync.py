@@ -82,6 +82,8 @@ per attempt (a retry may take a second; the median rule takes one from each of s
 one), so a requester past it is refused NOT_READY, not a fault, and our upload is not anyone's to spend."""
 FETCH_WINDOW_S = 600.0
 UNAUTHORIZED_RETRIES = 5
+CONNECT_RETRIES = 1
+"""Manifest requests asked again after a failure that is not the donor's answer (a stream that did not open)."""
 MAX_DONORS = 8
 """Donors asked for a manifest, at most (the caller passes a few, say 5)."""
 MEDIAN_DONORS = MAX_DONORS
@@ -402,6 +404,12 @@ async def fetch_state(
                 log.info("donor %s gave no manifest: %s", peer[-8:], v)  # its refusal: not a fault
                 return None
             except (Exception, TimeoutError) as e:  # noqa: BLE001 - a donor that can't answer is skipped
+                # A stream that failed to open (a loaded machine, a connection being replaced) is tried once
+                # more; a donor that is gone costs one more dial, not the retries above.
+                if attempt < min(CONNECT_RETRIES, UNAUTHORIZED_RETRIES):
+                    log.info("donor %s gave no manifest (%s): asking once more", peer[-8:], e)
+                    await asyncio.sleep(1.0)
+                    continue
                 log.info("donor %s gave no manifest: %s", peer[-8:], e)
                 return None
             try:

@@ -929,3 +929,45 @@ def test_state_fetch_spends_at_most_a_few_copies_of_the_state_on_one_requester(p
         assert h.fault_log == []
 
     run(body())
+
+
+def test_our_payloads_encodes_wait_behind_a_few_decodes_not_every_part_our_partners_sent():
+    """Partners' parts decode in the codec pool as they arrive; our own payload's parts encode in the same pool
+    (``Outgoing``). With 20 decodes waiting when our round ends, the first encode starts third (after the two
+    decodes running on the pool's two threads), not 21st: on the main before, every decode had been submitted to
+    the pool as its part came, and round 0's first part went out 11-17 s late (docs/results/links.md)."""
+    import threading
+
+    from locomm.peer.transport.transfers import Outgoing
+
+    started: list[str] = []
+    gate = threading.Event()
+
+    def decode(i: int) -> None:
+        started.append(f"decode {i}")
+        gate.wait(10)
+
+    async def body() -> None:
+        pool = ThreadPoolExecutor(2)  # the host's codec pool
+        try:
+            server = RpcServer(None, RUN, LIMITS, pool)  # type: ignore[arg-type]
+            decodes = [asyncio.ensure_future(server.decode(decode, i)) for i in range(20)]
+            await asyncio.sleep(0)  # every decode asked for the pool before our round ends
+            codec = make_codec()
+            real = codec.encode_part
+
+            def encode(payload, part):  # noqa: ANN001
+                started.append("encode")
+                return real(payload, part)
+
+            codec.encode_part = encode  # type: ignore[method-assign]
+            out = Outgoing(0, make_payload(codec), codec, server, [SENDER])
+            gate.set()
+            assert await out.get(0)
+            await asyncio.gather(*decodes)
+        finally:
+            pool.shutdown()
+        assert started.index("encode") == 2, started[:5]
+        assert len(started) == 20 + len(out.parts)
+
+    asyncio.run(body())

@@ -285,6 +285,12 @@ class RpcStats:
     cut: int = 0
 
 
+CODEC_QUEUE = 2
+"""Jobs of :meth:`RpcServer.decode` in the codec pool at once (its width: the pool never idles while more wait).
+Submitted as they came, every part our partners had pushed queued ahead of our own payload's first encode: with
+their pushes arriving when our round ended, round 0's first part went out 11-17 s late (docs/results/links.md)."""
+
+
 class RpcServer:
     """Serves locomm's services on one P2P instance."""
 
@@ -317,6 +323,7 @@ class RpcServer:
         self.loads = {d: LinkLoad(limits.rate_window_s) for d in ("send", "recv")}
         """What our link moves per direction, every stream together (served and opened: see ``open_link``)."""
         self.stats = RpcStats()
+        self._codec_slots = asyncio.Semaphore(CODEC_QUEUE)
 
     def handler_name(self, service: str) -> str:
         return f"locomm.{self.run_id}.{service}"
@@ -328,8 +335,11 @@ class RpcServer:
         await self.p2p.add_binary_stream_handler(self.handler_name(service.name), serve)
 
     async def decode(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a decode (or encode) in the codec pool, off the loop and off the compute thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        """Run a decode (or a pipeline frame's encode) in the codec pool, off the loop and off the compute thread;
+        at most ``CODEC_QUEUE`` at once, the rest wait here, so our own payload's encodes (``Outgoing``, submitted
+        to the pool directly) wait behind that many, not behind every part our partners have sent."""
+        async with self._codec_slots:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def _serve(
         self, service: Service, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

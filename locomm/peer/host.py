@@ -25,10 +25,13 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import secrets
 import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +92,11 @@ SIGHT_WAIT_S = 2.0
 not seen alive (they go on in the background up to ``hello.ASK_TIMEOUT_S``): a joiner's first view counts the
 peers that answer within it. A member's reads (one per round) never wait: a newcomer's own hello to it counts
 the newcomer at once, and a dead peer's lingering record would otherwise cost a round start this wait."""
+COMPUTE_NICE = 10
+"""How much lower than the rest of the peer the compute thread runs (Linux: per-thread nice, added to the
+process's). The link is the exchange's bottleneck and idles while the CPU work that feeds it (p2pd, our encodes,
+our partners' decodes) waits behind a forward pass; a round waits for both anyway, so that work goes first and
+compute takes what is left. On a volunteer's desktop the training thread also yields to the user's programs."""
 RELAY_STARTS = 4
 """p2pd starts a ``--reachability public`` peer tries for its full relay service (with one Go thread each start
 has won it in every measured start so far: 22 of 22, docs/results/nat.md)."""
@@ -121,7 +129,7 @@ class Host:
         self.trackers = Trackers(tensorboard=opts.tensorboard, wandb_project=opts.wandb)  # ConfigError: not installed
         if self.trackers.enabled:
             self.events.sinks.append(self.trackers)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locomm-compute")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locomm-compute", initializer=lower_priority)
         self.codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="locomm-codec")
         self.beats: dict[str, Heartbeat] = {}
         """The heartbeats of the peers we have seen alive (``sightings``), and our own: all the drivers count."""
@@ -738,6 +746,18 @@ class Host:
         if self.opts.reporter is not None:
             with contextlib.suppress(Exception):
                 getattr(self.opts.reporter, method)(arg)
+
+
+def lower_priority(by: int = COMPUTE_NICE) -> None:
+    """Raise the calling thread's nice value by ``by`` (capped at 19); Linux only (elsewhere setpriority's "process"
+    is the whole process), and a refusal is logged, not raised."""
+    if not sys.platform.startswith("linux") or by <= 0:
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except OSError as e:
+        log.debug("could not lower the compute thread's priority: %s", e)
 
 
 def dump_tasks() -> None:

@@ -137,6 +137,11 @@ LEAVE_HANG_S = 90.0
 ARM_TIMEOUT_S = 30.0
 """A mid-exchange leave waits this long for the next round event, then signals anyway."""
 IMPAIR_SLACK_S = 3.0
+CLOCK_TRUST_S = 20.0
+"""An event whose ``time`` (the peer's clock) is further than this from ours when we read it is placed at our read
+time (its own stamp kept as ``peer_time``): the clock-step fault moves a peer's clock +-30 s, and the analysis
+would otherwise place its rounds 30 s off (seed 11 counted a gap of -11.8 s). We read every poll, so the error is
+one poll's lag. Logs re-read with ``--reanalyse`` hold only the peers' stamps."""
 """A fault counts for a round when its interval comes within this many seconds of the round's exchange."""
 MARKER = "LOCOMM_CHAOS_RUN"
 
@@ -435,7 +440,7 @@ class Chaos:
         for inc in self.incs:
             if inc.t_exit is not None:
                 continue
-            for e in inc.tail.read():
+            for e in self.read(inc):
                 inc.events.append(e)
                 ev = e.get("event")
                 if ev == "started":
@@ -470,8 +475,18 @@ class Chaos:
                 inc.hang_reported = True
                 self.finding("no_round_for", inc, seconds=round(t - inc.last_round_t, 1), rounds=inc.rounds_seen)
 
+    def read(self, inc: Inc) -> list[dict[str, Any]]:
+        """The events ``inc`` wrote since the last read, each on our clock where its own is off (CLOCK_TRUST_S)."""
+        seen = time.time()
+        events = inc.tail.read()
+        for e in events:
+            t = e.get("time")
+            if isinstance(t, (int, float)) and abs(t - seen) > CLOCK_TRUST_S:
+                e["peer_time"], e["time"] = t, seen
+        return events
+
     def exited(self, inc: Inc, rc: int) -> None:
-        for e in inc.tail.read():
+        for e in self.read(inc):
             inc.events.append(e)
         inc.t_exit, inc.returncode = self.now(), rc
         m = inc.machine
@@ -869,7 +884,7 @@ class Chaos:
         self.launcher.close()
 
     def exited_final(self, inc: Inc, rc: int | None) -> None:
-        for e in inc.tail.read():
+        for e in self.read(inc):
             inc.events.append(e)
         inc.t_exit, inc.returncode = self.now(), rc
         if rc not in (0, None) and inc.cause == "final":
@@ -880,7 +895,7 @@ class Chaos:
     def report(self, state: dict[str, Any]) -> dict[str, Any]:
         for inc in self.incs:  # whatever the logs hold by now (also after an interrupt)
             if inc.t_exit is None:
-                inc.events.extend(inc.tail.read())
+                inc.events.extend(self.read(inc))
         spec = RunSpec.load(self.spec_path)
         return analyse(self, spec, state)
 

@@ -137,12 +137,12 @@ LEAVE_HANG_S = 90.0
 ARM_TIMEOUT_S = 30.0
 """A mid-exchange leave waits this long for the next round event, then signals anyway."""
 IMPAIR_SLACK_S = 3.0
+"""A fault counts for a round when its interval comes within this many seconds of the round's exchange."""
 CLOCK_TRUST_S = 20.0
 """An event whose ``time`` (the peer's clock) is further than this from ours when we read it is placed at our read
 time (its own stamp kept as ``peer_time``): the clock-step fault moves a peer's clock +-30 s, and the analysis
 would otherwise place its rounds 30 s off (seed 11 counted a gap of -11.8 s). We read every poll, so the error is
 one poll's lag. Logs re-read with ``--reanalyse`` hold only the peers' stamps."""
-"""A fault counts for a round when its interval comes within this many seconds of the round's exchange."""
 MARKER = "LOCOMM_CHAOS_RUN"
 
 

@@ -96,7 +96,8 @@ COMPUTE_NICE = 10
 """How much lower than the rest of the peer the compute thread runs (Linux: per-thread nice, added to the
 process's). The link is the exchange's bottleneck and idles while the CPU work that feeds it (p2pd, our encodes,
 our partners' decodes) waits behind a forward pass; a round waits for both anyway, so that work goes first and
-compute takes what is left. On a volunteer's desktop the training thread also yields to the user's programs."""
+compute takes what is left. On a volunteer's desktop the training thread also yields to the user's programs.
+Measured on 3 peers sharing 2 cores (docs/results/links.md): no change beyond the runs' spread."""
 RELAY_STARTS = 4
 """p2pd starts a ``--reachability public`` peer tries for its full relay service (with one Go thread each start
 has won it in every measured start so far: 22 of 22, docs/results/nat.md)."""

@@ -486,8 +486,7 @@ class Chaos:
         return events
 
     def exited(self, inc: Inc, rc: int) -> None:
-        for e in self.read(inc):
-            inc.events.append(e)
+        inc.events.extend(self.read(inc))
         inc.t_exit, inc.returncode = self.now(), rc
         m = inc.machine
         self.log(f"exit {inc.name} rc={rc} cause={inc.cause}")
@@ -884,8 +883,7 @@ class Chaos:
         self.launcher.close()
 
     def exited_final(self, inc: Inc, rc: int | None) -> None:
-        for e in self.read(inc):
-            inc.events.append(e)
+        inc.events.extend(self.read(inc))
         inc.t_exit, inc.returncode = self.now(), rc
         if rc not in (0, None) and inc.cause == "final":
             self.finding("final_exit_nonzero", inc, returncode=rc)

@@ -32,7 +32,7 @@ from hivemind.p2p import P2P
 from locomm.atomic import atomic_write_text
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.options import NodeOptions
-from locomm.peer.transport import leftovers
+from locomm.peer.transport import dht_clock, leftovers
 from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, SwarmValidator, load_identity
 from locomm.peer.transport.swarm import publish_spec
 
@@ -63,10 +63,11 @@ async def run_bootstrap(
     p2p = dht = rec = None
     try:
         leftovers.sweep()
+        dht_clock.install()  # stores and expires records on the swarm's time (peer/transport/dht_clock.py)
         p2p = await P2P.create(initial_peers=initial, identity_path=str(identity), **opts.p2p_kwargs(initial or ()))
         rec = leftovers.record(p2p)
         me = p2p.peer_id.to_base58()
-        validator = SwarmValidator(load_identity(identity), swarm_key=key)
+        validator = SwarmValidator(load_identity(identity), swarm_key=key, clock=dht_clock.now)
         if validator.peer_id != me:
             raise ConfigError(f"the identity {identity} is not the key p2pd runs with")
         if spec is not None:
@@ -79,8 +80,12 @@ async def run_bootstrap(
         log.info("bootstrap node %s up with %s; peers join with --initial-peers %s", me, what, maddrs[0])
         if on_up is not None:
             on_up(me, maddrs)
-        stored = -float("inf")
+        stored = clocked = -float("inf")
         while not stop.is_set():
+            if time.monotonic() - clocked > dht_clock.CHECK_S:
+                clocked = time.monotonic()
+                with contextlib.suppress(Exception):
+                    await dht_clock.check(dht)
             if spec is not None and time.monotonic() - stored > SPEC_TTL_S / 3:
                 try:
                     await publish_spec(dht, me, spec, key)
@@ -88,7 +93,7 @@ async def run_bootstrap(
                 except Exception as e:  # a missed refresh is retried next time
                     log.warning("storing the run spec failed: %s", e)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), min(5.0, SPEC_TTL_S / 6))
+                await asyncio.wait_for(stop.wait(), min(5.0, SPEC_TTL_S / 6, dht_clock.CHECK_S))
     finally:
         for svc in (dht, p2p):
             if svc is not None:

@@ -44,7 +44,6 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.protocol import ValidationError as DHTValidationError
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P
-from hivemind.utils import get_dht_time
 
 from locomm.atomic import atomic_write_text
 from locomm.compression.payload import PayloadCodec
@@ -53,7 +52,7 @@ from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.options import NodeOptions
 from locomm.peer.spec_sync import settle_spec
 from locomm.peer.trackers import Trackers
-from locomm.peer.transport import hello, leftovers, peer_cache, relay_check
+from locomm.peer.transport import dht_clock, hello, leftovers, peer_cache, relay_check
 from locomm.peer.transport.gossip import Faults, Gossip
 from locomm.peer.transport.paths import live_connections
 from locomm.peer.transport.records import (
@@ -195,10 +194,14 @@ class Host:
             self.identity = self._identity_path()
             known = not initial or self.opts.spec_from_user  # this run's keys are guarded from the start
             await asyncio.to_thread(leftovers.sweep)  # sockets of killed peers' p2pd (their records only)
+            dht_clock.install()  # hivemind's DHT time is ours: the wall clock and the offset the swarm agrees on
             boot = initial
             if initial and self.opts.checkpoint_dir is not None:  # a restart: the peers it saw last, after the user's
                 boot = list(dict.fromkeys([*initial, *peer_cache.recall(self.opts.checkpoint_dir)]))
             await self._connect(initial, known, boot)
+            if initial:  # on the swarm's time before our first record: a machine whose clock stepped joins on it
+                await self._follow_clock()
+            self.spawn(self._clock_loop(), background=True)
             if self._id_dir is not None:  # a throwaway key, now in p2pd and the validator: no file outlives a kill
                 shutil.rmtree(self._id_dir, ignore_errors=True)
             self.spec = await settle_spec(self.dht, self.opts, self.spec, self.swarm_key, self.events.write)
@@ -240,7 +243,9 @@ class Host:
                 self.p2p = p2p = await self._start_p2p(boot or initial, initial)
                 self._p2pd_record = leftovers.record(self.p2p)  # removed on exit, or by the next start after a kill
                 self.me = self.p2p.peer_id.to_base58()
-                self.validator = SwarmValidator(load_identity(self.identity), swarm_key=self.swarm_key)
+                self.validator = SwarmValidator(
+                    load_identity(self.identity), swarm_key=self.swarm_key, clock=dht_clock.now
+                )
                 if self.validator.peer_id != self.me:
                     raise ConfigError(f"the identity {self.identity} is not the key p2pd runs with")
                 for peer in peer_ids_of(self.opts.initial_peers):
@@ -508,7 +513,7 @@ class Host:
         ``time`` is then on our clock (``membership.observed_time``): what reads it judges freshness by what we
         saw, whatever the writer's clock says."""
         read = await read_heartbeats(self.dht, self.run_id)
-        now = get_dht_time()  # after the read: a record stored while it ran is not placed in our future
+        now = dht_clock.now()  # after the read: a record stored while it ran is not placed in our future
         beats = []
         for b in read:
             prev = self._newest.get(b.peer)
@@ -617,7 +622,7 @@ class Host:
             log.info("no other DHT node took our goodbye (round %d): our last heartbeat expires instead", beat.round)
         for attempt in range(2):
             if await store_heartbeat(self.dht, self.run_id, self.me, beat.record(), ttl, not_before=until):
-                self._stored_until = max(until, get_dht_time() + ttl + MAX_CLOCK_SKEW_S)
+                self._stored_until = max(until, dht_clock.now() + ttl + MAX_CLOCK_SKEW_S)
                 return
             if attempt == 0:
                 until = max(until, await stored_expiration(self.dht, self.run_id, self.me) + 1e-3)
@@ -658,6 +663,19 @@ class Host:
     def publish_soon(self) -> None:
         """Store our heartbeat in the background (fresh round numbers keep joiners' choices right)."""
         self.spawn(self.publish(), background=True)
+
+    async def _clock_loop(self) -> None:
+        while not self.stop.is_set():
+            await self.sleep(dht_clock.CHECK_S)
+            if not self.stop.is_set():
+                await self._follow_clock()
+
+    async def _follow_clock(self) -> None:
+        """Follow the swarm's DHT time (``peer/transport/dht_clock.py``); a move is an event."""
+        moved, asked, answers = await dht_clock.check(self.dht)
+        if moved is not None:
+            offset = round(dht_clock.offset(), 3)
+            self.events.write("dht_clock", offset_s=offset, moved_s=round(moved, 3), asked=asked, answers=answers)
 
     def start_heartbeats(self) -> None:
         self.spawn(self._heartbeat_loop())
@@ -728,7 +746,7 @@ class Host:
         return remote in self.beats and (policy == "announced" or self.beats[remote].admitted)
 
     def dht_now(self) -> float:
-        return get_dht_time()
+        return dht_clock.now()
 
     # -- the user's view ---------------------------------------------------------------
 

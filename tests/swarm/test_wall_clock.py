@@ -20,7 +20,7 @@ from locomm.testing.launcher import Launcher, wait_until
 pytestmark = pytest.mark.timeout(240)
 
 
-def _setup(tmp_path: Path, spec: RunSpec) -> tuple[Path, Path]:
+def _setup(tmp_path: Path, spec: RunSpec, steps: int = 400) -> tuple[Path, Path]:
     """The clock shim (or the test is skipped) and a small nano run spec's file."""
     shim, why = wallclock.build(tmp_path)
     if shim is None:
@@ -28,7 +28,7 @@ def _setup(tmp_path: Path, spec: RunSpec) -> tuple[Path, Path]:
     spec = (
         spec.replace("data", max_corpus_mb=1.0, batch_size=8, seq_len=64)
         .replace("outer", algo="noloco", inner_steps=10)
-        .replace("train", steps=400, eval_batches=2, eval_interval=0)
+        .replace("train", steps=steps, eval_batches=2, eval_interval=0)
     )
     cfg = tmp_path / "run.toml"
     spec.save(cfg)
@@ -80,3 +80,29 @@ def test_a_newcomer_without_config_joins_through_a_peer_whose_clock_is_30_s_ahea
     assert b.poll() is None, b.tail()
     # a's heartbeats are stored and read: b counts it a member and exchanges with it
     wait_until(lambda: any(e.get("members", 0) >= 2 for e in b.events("round")), 120, "b sees a", [a, b])
+
+
+def test_a_peer_whose_clock_steps_follows_the_swarms_time_and_comes_back(tmp_path: Path, launcher: Launcher) -> None:
+    """c's clock is 30 s ahead of a's and b's: within a clock check (dht_clock.CHECK_S) its DHT time follows the
+    median of theirs and its own (peer/transport/dht_clock.py), while a and b, a majority with their own clock,
+    never move; once c's clock is stepped back, c's DHT time is its wall clock again. Before the DHT clock, c's
+    records were 30 s off everyone's, and two peers stepped opposite ways were 60 s apart, past the skew records
+    tolerate (their heartbeats "not stored" in benchmarks/chaos.py)."""
+    short_beats = RunSpec.preset("nano").replace("network", heartbeat_interval_s=3.0, heartbeat_ttl_s=12.0)
+    shim, cfg = _setup(tmp_path, short_beats, steps=10_000)  # training outlasts the test, which stops the peers
+    ahead = wallclock.Clock(shim, tmp_path / "c.clock")
+    ahead.step(30.0)
+    wait = ("--wait-for-peers", "3")
+    a = launcher.start("a", "--shard", "0/3", *wait, config=cfg)
+    boot = a.address()
+    b = launcher.start("b", "--shard", "1/3", *wait, initial_peers=boot, config=cfg)
+    c = launcher.start("c", "--shard", "2/3", *wait, initial_peers=boot, config=cfg, env=ahead.env())
+    peers = [a, b, c]
+    wait_until(lambda: c.events("dht_clock"), 120, "c follows the swarm's time", peers)
+    first = c.events("dht_clock")[0]
+    assert -31.0 <= first["offset_s"] <= -29.0, first
+    wait_until(lambda: any(e.get("members", 0) >= 3 for e in b.events("round")), 120, "b counts c", peers)
+    ahead.step(0.0)
+    wait_until(lambda: len(c.events("dht_clock")) >= 2, 60, "c's clock is back", peers)
+    assert abs(c.events("dht_clock")[-1]["offset_s"]) < 1.0, c.events("dht_clock")
+    assert not a.events("dht_clock") and not b.events("dht_clock"), (a.events("dht_clock"), b.events("dht_clock"))

@@ -24,10 +24,10 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
-from hivemind.utils import get_dht_time
 
 from locomm import PROTOCOL_VERSION
 from locomm.config import RunSpec
+from locomm.peer.transport import dht_clock
 from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, peers_key, spec_key, swarm_spec_key
 from locomm.protocol.membership import MAX_CLOCK_SKEW_S, MEMBER_LAG_ROUNDS, Heartbeat, members_for_round, pick_stage
 
@@ -67,7 +67,7 @@ async def publish_spec(
     """Store the spec ``peer`` (this node) runs under its own key (the DHT's validator signs it), marked closed
     when it runs with a swarm ``key``; with a certificate also under the swarm's key, subkey ``peer``."""
     value = {"hash": spec.hash(), "toml": spec.to_toml(), "version": PROTOCOL_VERSION, "closed": key is not None}
-    expires = get_dht_time() + ttl + MAX_CLOCK_SKEW_S  # lives ttl for a reader whose clock is that far ahead
+    expires = dht_clock.now() + ttl + MAX_CLOCK_SKEW_S  # lives ttl for a reader whose clock is that far ahead
     ok = await dht.store(spec_key(peer), value, expiration_time=expires)
     if key is not None and key.swarm_id is not None:
         ok = await dht.store(swarm_spec_key(key.swarm_id), subkey=peer, value=value, expiration_time=expires) and ok
@@ -159,7 +159,7 @@ async def store_heartbeat(
     later and refuse the other, so a record whose TTL shrank with its round time would be refused), as far as
     the validator lets a record live (``records.SwarmValidator``: 2 x ``ttl`` + 2 x ``MAX_CLOCK_SKEW_S``).
     ``elsewhere``: on other nodes only (a goodbye: our own storage goes with us), True when one took it."""
-    now = get_dht_time()
+    now = dht_clock.now()
     expires = min(max(now + ttl + MAX_CLOCK_SKEW_S, not_before), now + 2 * ttl + 2 * MAX_CLOCK_SKEW_S - 1.0)
     value = {**record, "time": now}
     return await dht.store(peers_key(run_id), subkey=peer, value=value, expiration_time=expires, exclude_self=elsewhere)
@@ -180,7 +180,7 @@ async def read_heartbeats(dht: DHTNode, run_id: str) -> list[Heartbeat]:
     found = await dht.get(peers_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    now = get_dht_time()
+    now = dht_clock.now()
     out = []
     for peer, item in found.value.items():
         expires = getattr(item, "expiration_time", 0.0)

@@ -121,24 +121,12 @@ async def connect(p2p: Any, peer: str, maddrs: list[str], timeout_s: float = 5.0
         return False
 
 
-async def _ping(dht: Any, peer: Any) -> tuple[float, float] | None:
-    """(offset, rtt) of one DHT ping: the peer's DHT time minus the midpoint of ours."""
-    from hivemind.proto import dht_pb2  # noqa: PLC0415
-    from hivemind.utils import get_dht_time  # noqa: PLC0415
-
-    req = dht_pb2.PingRequest(peer=dht.protocol.node_info, validate=False)
-    t0 = get_dht_time()
-    resp = await dht.protocol.get_stub(peer).rpc_ping(req, timeout=dht.protocol.wait_timeout)
-    t1 = get_dht_time()
-    if not resp.dht_time:
-        return None
-    return resp.dht_time - (t0 + t1) / 2, t1 - t0
-
-
 async def clock_check(p2p: Any, dht: Any, beats: list[Any]) -> tuple[Check, dict[str, float]]:
     """Our DHT time against up to CLOCK_PEERS live peers: NTP-style, the min-RTT sample of PING_SAMPLES."""
     from hivemind.p2p import PeerID  # noqa: PLC0415
     from hivemind.utils import get_dht_time  # noqa: PLC0415
+
+    from locomm.peer.transport import dht_clock  # noqa: PLC0415 - the wall clock here: doctor follows no swarm
 
     rtts: dict[str, float] = {}
     offsets: list[float] = []
@@ -148,7 +136,7 @@ async def clock_check(p2p: Any, dht: Any, beats: list[Any]) -> tuple[Check, dict
         samples = []
         for _ in range(PING_SAMPLES):
             with contextlib.suppress(Exception):
-                if (s := await _ping(dht, peer)) is not None:
+                if (s := await dht_clock.ping(dht.protocol, peer, dht.protocol.wait_timeout)) is not None:
                     samples.append(s)
         if samples:
             off, rtt = min(samples, key=lambda s: s[1])

@@ -92,18 +92,25 @@ def install() -> None:
             module.get_dht_time = now
 
 
+async def ping(protocol: DHTProtocol, peer: PeerID, timeout: float) -> tuple[float, float] | None:
+    """(offset, round trip) of one hivemind DHT ping: ``peer``'s DHT time minus the midpoint of ours; None when it
+    does not say its time. Errors and timeouts are raised."""
+    request = dht_pb2.PingRequest(peer=protocol.node_info, validate=False)
+    t0 = now()
+    response = await asyncio.wait_for(protocol.get_stub(peer).rpc_ping(request), timeout)
+    t1 = now()
+    return (response.dht_time - (t0 + t1) / 2, t1 - t0) if response.dht_time else None
+
+
 async def sample(protocol: DHTProtocol, peers: Iterable[PeerID], timeout: float = MAX_RTT_S) -> list[float]:
-    """Each of ``peers``' DHT time minus ours (hivemind's ping, asked at once; answers slower than ``timeout``,
-    failures and nodes that do not say their time are left out)."""
+    """Each of ``peers``' DHT time minus ours (pinged at once; answers slower than ``timeout``, failures and nodes
+    that do not say their time are left out)."""
 
     async def one(peer: PeerID) -> float | None:
-        request = dht_pb2.PingRequest(peer=protocol.node_info, validate=False)
-        t0 = now()
         with contextlib.suppress(Exception):
-            response = await asyncio.wait_for(protocol.get_stub(peer).rpc_ping(request), timeout)
-            t1 = now()
-            if response.dht_time and t1 - t0 <= timeout:
-                return response.dht_time - (t0 + t1) / 2
+            found = await ping(protocol, peer, timeout)
+            if found is not None and found[1] <= timeout:
+                return found[0]
         return None
 
     found = await asyncio.gather(*(one(p) for p in peers))

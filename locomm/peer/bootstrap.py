@@ -60,7 +60,7 @@ async def run_bootstrap(
     elif identity.exists():
         load_identity(identity)
     initial = list(opts.initial_peers) or None
-    p2p = dht = rec = None
+    p2p = dht = rec = clock = None
     try:
         leftovers.sweep()
         dht_clock.install()  # stores and expires records on the swarm's time (peer/transport/dht_clock.py)
@@ -80,12 +80,9 @@ async def run_bootstrap(
         log.info("bootstrap node %s up with %s; peers join with --initial-peers %s", me, what, maddrs[0])
         if on_up is not None:
             on_up(me, maddrs)
-        stored = clocked = -float("inf")
+        stored = -float("inf")
+        clock = asyncio.create_task(dht_clock.keep(dht, stop))
         while not stop.is_set():
-            if time.monotonic() - clocked > dht_clock.CHECK_S:
-                clocked = time.monotonic()
-                with contextlib.suppress(Exception):
-                    await dht_clock.check(dht)
             if spec is not None and time.monotonic() - stored > SPEC_TTL_S / 3:
                 try:
                     await publish_spec(dht, me, spec, key)
@@ -93,8 +90,12 @@ async def run_bootstrap(
                 except Exception as e:  # a missed refresh is retried next time
                     log.warning("storing the run spec failed: %s", e)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), min(5.0, SPEC_TTL_S / 6, dht_clock.CHECK_S))
+                await asyncio.wait_for(stop.wait(), min(5.0, SPEC_TTL_S / 6))
     finally:
+        if clock is not None:
+            clock.cancel()
+            with contextlib.suppress(BaseException):
+                await clock
         for svc in (dht, p2p):
             if svc is not None:
                 with contextlib.suppress(Exception):

@@ -186,7 +186,7 @@ class Host:
                 loop.add_signal_handler(sig, self._on_signal, sig)
         with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
             loop.add_signal_handler(signal.SIGUSR1, dump_tasks)  # `kill -USR1 PID`: where each task waits
-        loop.set_exception_handler(_quiet_clock_refusals(loop.get_exception_handler()))
+        loop.set_exception_handler(dht_clock.quiet_refusals(loop.get_exception_handler()))
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         try:
@@ -201,8 +201,9 @@ class Host:
                 boot = list(dict.fromkeys([*initial, *peer_cache.recall(self.opts.checkpoint_dir)]))
             await self._connect(initial, known, boot)
             if initial:  # on the swarm's time before our first record: a machine whose clock stepped joins on it
-                await self._follow_clock()
-            self.spawn(self._clock_loop(), background=True)
+                with contextlib.suppress(Exception):  # a clock check never stops a start
+                    await dht_clock.check(self.dht, self.events.write)
+            self.spawn(dht_clock.keep(self.dht, self.stop, self.events.write), background=True)
             if self._id_dir is not None:  # a throwaway key, now in p2pd and the validator: no file outlives a kill
                 shutil.rmtree(self._id_dir, ignore_errors=True)
             self.spec = await settle_spec(self.dht, self.opts, self.spec, self.swarm_key, self.events.write)
@@ -665,19 +666,6 @@ class Host:
         """Store our heartbeat in the background (fresh round numbers keep joiners' choices right)."""
         self.spawn(self.publish(), background=True)
 
-    async def _clock_loop(self) -> None:
-        while not self.stop.is_set():
-            await self.sleep(dht_clock.CHECK_S)
-            if not self.stop.is_set():
-                await self._follow_clock()
-
-    async def _follow_clock(self) -> None:
-        """Follow the swarm's DHT time (``peer/transport/dht_clock.py``); a move is an event."""
-        moved, asked, answers = await dht_clock.check(self.dht)
-        if moved is not None:
-            offset = round(dht_clock.offset(), 3)
-            self.events.write("dht_clock", offset_s=offset, moved_s=round(moved, 3), asked=asked, answers=answers)
-
     def start_heartbeats(self) -> None:
         self.spawn(self._heartbeat_loop())
 
@@ -747,6 +735,7 @@ class Host:
         return remote in self.beats and (policy == "announced" or self.beats[remote].admitted)
 
     def dht_now(self) -> float:
+        """The swarm's time as this peer keeps it (``peer/transport/dht_clock.py``): what heartbeats' times are on."""
         return dht_clock.now()
 
     # -- the user's view ---------------------------------------------------------------
@@ -778,24 +767,6 @@ def lower_priority(by: int = COMPUTE_NICE) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
     except OSError as e:
         log.debug("could not lower the compute thread's priority: %s", e)
-
-
-def _quiet_clock_refusals(previous: Callable[..., Any] | None) -> Callable[[Any, dict[str, Any]], None]:
-    """The event loop's exception handler, less the tracebacks of hivemind's bootstrap pings that refused an
-    initial peer's time (``_create_dht`` joins anyway and says so once; the DHT clock then follows the swarm's
-    time): a strict ``DHTNode.create`` leaves its other pings' ``ValidationError`` unretrieved, and each one printed
-    a traceback (79 of 88 in benchmarks/chaos.py's seed 11). They go to the debug log."""
-
-    def handle(loop: Any, context: dict[str, Any]) -> None:
-        e = context.get("exception")
-        if isinstance(e, DHTValidationError) and "local time" in str(e):
-            log.debug("%s: %s", context.get("message"), e)
-        elif previous is not None:
-            previous(loop, context)
-        else:
-            loop.default_exception_handler(context)
-
-    return handle
 
 
 def dump_tasks() -> None:

@@ -490,7 +490,7 @@ class Node:
         while self.round < end_round and not host.stop.is_set():
             self.gossip.advance(self.round)
             t0 = time.perf_counter()
-            self.round_t0 = time.time()
+            self.round_t0 = host.dht_now()  # in heartbeats: partners place it on the swarm's (DHT) time
             losses, cut = [], False
             # The previous round's exchange runs meanwhile; it is applied exactly one round late whenever it
             # finished (protocol/rounds.py), so the numerics do not depend on the network's speed.

@@ -65,7 +65,7 @@ class Partners:
         """Monotonic time by which a partner's payload of ``round_idx`` should be here (from its heartbeat)."""
 
         def eta(peer: str) -> float:
-            now_wall, now = time.time(), time.monotonic()
+            now_wall, now = self.host.dht_now(), time.monotonic()  # round_t0 is on DHT time (dht_clock)
             b = self.host.beats.get(peer)
             at = partner_eta(
                 round_idx=round_idx,

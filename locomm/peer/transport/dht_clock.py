@@ -28,10 +28,11 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from hivemind.dht import DHTNode
-from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.protocol import DHTProtocol, ValidationError
 from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 
@@ -117,14 +118,47 @@ async def sample(protocol: DHTProtocol, peers: Iterable[PeerID], timeout: float 
     return [s for s in found if s is not None]
 
 
-async def check(dht: DHTNode) -> tuple[float | None, int, int]:
+async def check(dht: DHTNode, write: Callable[..., Any] | None = None) -> float | None:
     """Ask up to ``PEERS`` DHT nodes of ``dht``'s routing table (at random) their time and :func:`follow` the
-    answers: (the offset's change or None, nodes asked, answers)."""
+    answers; the offset's change, or None. A change is a ``dht_clock`` event through ``write`` (an event log's)."""
     protocol = dht.protocol
     peers = [p for p in protocol.routing_table.peer_id_to_uid if p != protocol.p2p.peer_id]
     asked = random.sample(peers, min(PEERS, len(peers)))
     samples = await sample(protocol, asked)
-    return follow(samples), len(asked), len(samples)
+    moved = follow(samples)
+    if moved is not None and write is not None:
+        write("dht_clock", offset_s=round(_offset, 3), moved_s=round(moved, 3), asked=len(asked), answers=len(samples))
+    return moved
+
+
+async def keep(dht: DHTNode, stop: asyncio.Event, write: Callable[..., Any] | None = None) -> None:
+    """:func:`check` every ``CHECK_S`` until ``stop`` is set (a failed check is logged and the next one runs)."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), CHECK_S)
+        if not stop.is_set():
+            try:
+                await check(dht, write)
+            except Exception as e:  # noqa: BLE001 - a clock check never stops a peer
+                log.warning("the clock check failed: %s: %s", type(e).__name__, e)
+
+
+def quiet_refusals(previous: Callable[..., Any] | None) -> Callable[[Any, dict[str, Any]], None]:
+    """An event loop's exception handler, less the tracebacks of hivemind's bootstrap pings that refused an
+    initial peer's time (the host joins anyway and says so once; :func:`keep` then follows the swarm's time): a
+    strict ``DHTNode.create`` leaves its other pings' ``ValidationError`` unretrieved, and each one printed a
+    traceback (79 of 88 in benchmarks/chaos.py's seed 11). They go to the debug log."""
+
+    def handle(loop: Any, context: dict[str, Any]) -> None:
+        e = context.get("exception")
+        if isinstance(e, ValidationError) and "local time" in str(e):
+            log.debug("%s: %s", context.get("message"), e)
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    return handle
 
 
 def follow(samples: list[float]) -> float | None:

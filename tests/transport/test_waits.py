@@ -14,6 +14,9 @@ transfer that kept moving was waited for past any deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -477,3 +480,30 @@ def test_pushes_go_in_turn_and_a_stalled_one_holds_the_link_one_turn_at_most(poo
         assert set(got[1][0]) == {A, C} and set(got[2][0]) == {A, B}  # B pulled the rest of A's payload
 
     run(body())
+
+
+def test_an_exchange_cancelled_while_its_own_push_runs_leaves_no_unretrieved_error(pool, caplog):
+    """A leaving peer's exchange is cancelled (``presence.finish_or_stop``) while it waits for its own push. That
+    wait was ``wait_for(gather(pushes))``: cancelled, wait_for cancels the gather and never retrieves its
+    CancelledError, and each one printed "_GatheringFuture exception was never retrieved" with a traceback on the
+    leaving peer's stderr (benchmarks/chaos.py seed 12)."""
+    caplog.set_level(logging.ERROR, logger="asyncio")
+
+    async def body():
+        net = FakeNet()
+        b, c = await peer(net, B, pool), await peer(net, C, pool)
+        net.cuts[(C, B)] = WIRE // 2  # C's push stalls; B's to C arrives
+        c_ex = asyncio.ensure_future(exchange(c, 0, [B], 2))
+        b_ex = asyncio.ensure_future(exchange(b, 0, [C], 1))
+        await asyncio.sleep(3 * ONE_PAYLOAD_S)  # C has B's payload and waits for its own push (cut at ~10 s)
+        assert not c_ex.done() and c.stats.bytes_received > 0
+        c_ex.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await c_ex
+        b_ex.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await b_ex
+
+    run(body())
+    gc.collect()
+    assert "never retrieved" not in caplog.text, caplog.text[-2000:]

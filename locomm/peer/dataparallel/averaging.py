@@ -61,6 +61,9 @@ class AveragerExchange:
         (``hivemind.P2P.create`` arguments; default: loopback only)."""
         import hivemind  # noqa: PLC0415
 
+        from locomm.peer.transport import dht_clock  # noqa: PLC0415
+
+        dht_clock.install()  # hivemind's averaging modules, imported just now, on our DHT time too
         self.names = names
         allreduce_timeout = timeout if allreduce_timeout is None else allreduce_timeout
         self.timeout = timeout + allreduce_timeout  # a step: find a group, then all-reduce

@@ -17,7 +17,8 @@ moves. The offset stays within ``MAX_CLOCK_SKEW_S`` of the machine's clock: iden
 
 The offset is the process's, as hivemind's clock is: :func:`install` points every loaded hivemind module's
 ``get_dht_time`` at :func:`now`; locomm's code calls :func:`now`. Peers and bootstrap nodes follow it; other
-processes (``status``, ``doctor``) read the plain wall clock.
+processes (``status``, ``doctor``) read the plain wall clock. DiLoCo's ``hivemind.DHT`` and averager are forked
+processes: they keep the offset of the moment they were forked (a step after that is not followed there).
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ tokens and schedule, one seed (``train.seed`` and ``outer.seed`` together). The 
 - ``default``: the spec's defaults now (``hold``'s options, the best measured at 90%);
 - ``hold+refresh1+decay``, ``refresh1+decay``: a residual weight of 1, with and without hold.
 
+``--no-bias-correction`` runs AdamS (dense and under SCAPE) without its bias correction (``inner.bias_correction``:
+the paper's equations as quoted; the method keys end in ``:nobc``).
+
 Dense AdamS (``adams_ddp``) and dense AdamW (``adamw_ddp``, the simulator's DDP path: the paper's other
 reference) run at each ``--lrs`` value; every SCAPE variant runs at ``--scape-lr`` (the dense
 sweep's best, once known) so the two compare at one tuned lr. Each entry is written atomically to
@@ -59,6 +62,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "refresh1+decay": {**V0, "scape_residual_weight": 1.0, "scape_residual_decay": 0.9},
 }
 STEPS = {"nano": 300, "tiny": 500}
+NOBC = ":nobc"
 
 
 def key(preset: str, workers: int, seed: int, method: str, lr: float) -> str:
@@ -67,6 +71,9 @@ def key(preset: str, workers: int, seed: int, method: str, lr: float) -> str:
 
 def run(preset: str, workers: int, seed: int, method: str, lr: float, steps: int, splits: Any) -> dict:
     spec = RunSpec.preset(preset).replace("train", seed=seed).replace("inner", lr=lr)
+    full, (method, nobc) = method, (method.removesuffix(NOBC), method.endswith(NOBC))
+    if nobc:
+        spec = spec.replace("inner", bias_correction=False)
     if method == "adams_ddp":
         spec = spec.replace("outer", seed=seed)
         r = run_island(spec, workers, steps, method="adams_ddp", splits=splits, eval_every=max(1, steps // 10))
@@ -83,7 +90,8 @@ def run(preset: str, workers: int, seed: int, method: str, lr: float, steps: int
         preset=preset,
         seed=seed,
         lr=lr,
-        method_key=method,
+        method_key=full,
+        bias_correction=spec.inner.bias_correction,
         outer={k: v for k, v in vars(spec.outer).items() if k.startswith("scape_")},
     )
     return out
@@ -97,9 +105,9 @@ def report(preset: str, entries: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for w in sorted({e["workers"] for e in rows}):
-        best = {}  # per seed: the best dense AdamS over the lr sweep
+        best = {}  # per seed: the best dense AdamS over the lr sweep, with or without its bias correction
         for e in rows:
-            if e["workers"] == w and e["method_key"] == "adams_ddp" and "diverged" not in e:
+            if e["workers"] == w and e["method_key"] in ("adams_ddp", "adams_ddp" + NOBC) and "diverged" not in e:
                 best[e["seed"]] = min(best.get(e["seed"], float("inf")), e["final_val_loss"])
         groups: dict[tuple[str, float], list[dict]] = {}
         for e in rows:
@@ -131,6 +139,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--steps", type=int, help="Steps per worker (default: nano 300, tiny 500)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-bias-correction", action="store_true", help="AdamS without its bias correction")
     ap.add_argument("--report", action="store_true")
     args = ap.parse_args()
     if args.report:
@@ -154,6 +163,8 @@ def main() -> None:
                 todo += [
                     (seed, workers, f"scape@{s:g}:{v}", args.scape_lr) for s in args.sparsities for v in args.variants
                 ]
+    if args.no_bias_correction:
+        todo = [(seed, workers, method + NOBC, lr) for seed, workers, method, lr in todo if method != "adamw_ddp"]
     for seed, workers, method, lr in todo:
         name = key(args.preset, workers, seed, method, lr)
         if name in done:

@@ -45,6 +45,10 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+QUIET_AT_DEFAULT = (("inner", "bias_correction"),)
+"""Fields added after runs were started, hashed only where a spec sets them off their default."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """Everything peers of one run must agree on."""
@@ -196,8 +200,13 @@ class RunSpec:
     # -- identity -----------------------------------------------------------------
 
     def hash(self) -> str:
-        """Stable sha256 of the spec's content (hex). Equal specs hash equal on every machine."""
-        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), default=repr)
+        """Stable sha256 of the spec's content (hex). Equal specs hash equal on every machine. A field in
+        ``QUIET_AT_DEFAULT`` is left out while at its default: adding it changed no run's id."""
+        d = self.to_dict()
+        for section, name in QUIET_AT_DEFAULT:
+            if d[section][name] == getattr(type(getattr(self, section))(), name):
+                del d[section][name]
+        canon = json.dumps(d, sort_keys=True, separators=(",", ":"), default=repr)
         return hashlib.sha256(canon.encode()).hexdigest()
 
 

@@ -163,6 +163,10 @@ class InnerOptimConfig:
     """Cosine decays to lr * min_lr_ratio at the last step."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    bias_correction: bool = True
+    """adams only: divide the first moment by 1 - beta1^t, previous and new (the build before issue 33); false:
+    no correction, AdamS as its paper's equations are quoted (its reference code is not public;
+    docs/results/scape.md)."""
 
     def __post_init__(self) -> None:
         choice(self, "name", ("adamw", "adam", "adams"))

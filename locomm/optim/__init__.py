@@ -20,6 +20,6 @@ def build_optimizer(params, cfg: InnerOptimConfig) -> torch.optim.Optimizer:  # 
     groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
     betas = (cfg.beta1, cfg.beta2)
     if cfg.name == "adams":
-        return AdamS(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+        return AdamS(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, bias_correction=cfg.bias_correction)
     # foreach is the fast path on CPU and CUDA alike; fused needs CUDA-only dtypes checks.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=True)

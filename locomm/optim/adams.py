@@ -11,6 +11,10 @@ parameter instead of two. Update rule as docs/algorithms.md §5 gives it:
     m     = b1 * m_prev + (1 - b1) * g
     theta = theta - lr * (m / (1 - b1^t)) / (sqrt(v) + eps)
 
+``bias_correction=False`` drops both divisions by 1 - b1^t: the rule as the paper's equations are quoted by
+secondary sources (its reference code is not public; docs/results/scape.md). With them the first step is
+1/sqrt(1 - b2) = 4.5 lr per coordinate (m_prev = 0, v = (1 - b2) g^2); without, 0.45 lr.
+
 SCAPE reads ``state["exp_avg"]`` (the first moment) to build its masks, and may hold the coordinates it did not
 synchronize this step (:meth:`AdamS.hold_off`): off the mask, weight, first moment and weight decay stay as they
 are, where a zero gradient would decay m by b1 and v by b2 together and keep stepping ~b1/sqrt(b2) = 0.92 lr along
@@ -35,11 +39,13 @@ class AdamS(Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.1,
+        bias_correction: bool = True,
     ) -> None:
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"invalid AdamS hyperparameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._masks: dict[torch.Tensor, torch.Tensor] = {}
+        self.bias_correction = bias_correction
 
     def hold_off(self, masks: dict[torch.Tensor, torch.Tensor] | None) -> None:
         """For the NEXT :meth:`step` only: per parameter, a bool tensor of its shape; where False the weight and
@@ -65,7 +71,7 @@ class AdamS(Optimizer):
                 state["step"] += 1
                 t = state["step"].item()
                 m = state["exp_avg"]
-                bc = 1 - b1**t
+                bc = 1 - b1**t if self.bias_correction else 1.0
                 mh = m / bc  # m_prev bias-corrected with the current step's 1 - b1^t
                 v = mh.square().mul_(b2).addcmul_(g, g, value=1 - b2)
                 keep = self._masks.get(p)

@@ -33,12 +33,12 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 from locomm import __version__
 from locomm.peer.control import ControlError, ControlServer, Handler, control_path
-from locomm.peer.host import Host
+from locomm.peer.host import GOODBYE_S, Host
 from locomm.peer.transport.gossip import Gossip
 from locomm.peer.transport.state_sync import Judge, StateMismatch, Synced
 from locomm.protocol.membership import STATE_RETRY_S, Heartbeat, may_still_pull, restarted, sends_nothing_more
@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 JOIN_MARGIN_ROUNDS = 2
 """A joiner's first round is this far ahead of the swarm's, so every peer counts it from the same round on."""
 STATE_ATTEMPTS = len(STATE_RETRY_S) + 1
@@ -61,6 +62,10 @@ PAUSE_ANSWER_S = 20.0
 """How long ``pause`` waits for the peer to reach a step boundary before it answers with the phase."""
 STOP_HANDOVER_S = 10.0
 """After Ctrl-C, how long a leaving peer serves its last payload to partners that have not had it yet."""
+LEAVE_PUBLISH_S = 5.0
+"""How long each of a leaving peer's heartbeat stores may take (the goodbye: this beyond ``GOODBYE_S``, its own
+bound on reaching a node other than ours); one not stored by then expires instead. Unbounded, a chaos peer whose
+link was at 1 Mbit/s spent 53 s of its 60 s after SIGINT in two stores (docs/results/chaos.md, seed 13)."""
 RESYNC_RETRY_S = 5.0
 """Back from a pause, how long to wait before entering the swarm again when the DHT failed us (still paused)."""
 
@@ -207,7 +212,7 @@ class Presence:
                     break
             beats = [b for b in await host.read_beats() if b.peer != host.me]
             donors = donors_of(beats, await host.netgroups())
-            got = await host.fetch_state(donors, expected, judge) if donors else None
+            got = await unless_stopped(host, host.fetch_state(donors, expected, judge)) if donors else None
             if got is not None or host.stop.is_set():
                 break
         if got is not None:
@@ -216,6 +221,9 @@ class Presence:
             except StateMismatch as e:  # fetch_state checked the layout already: a bug here, not a crash
                 log.warning("the downloaded state does not fit this model: %s", e)
                 got = None
+        if got is None and host.stop.is_set():
+            log.info("stopped while downloading the swarm's state; nothing was loaded")
+            return None
         if got is None:
             log.warning("could not download the swarm's state from %d donor(s)", len(donors))
             host.events.write("sync_failed", donors=len(donors), **event)
@@ -366,7 +374,7 @@ class Presence:
 
         waiting: set[str] = set()
         gossip.leaving = True  # our heartbeat lists what we still serve: partners pull it now
-        await publish_quietly(host)
+        await publish_quietly(host, LEAVE_PUBLISH_S)
         out = gossip.outgoing.get(last)
         end = math.inf if out is None else out.serve_until  # in the gossip's clock: never served past it
         while not host.hurry.is_set():
@@ -385,21 +393,32 @@ class Presence:
                 await asyncio.wait_for(host.hurry.wait(), 0.25)
         self.left = True
         d.phase = "left"
-        await publish_quietly(host)  # a failed store (logged): the heartbeat expires instead
+        await publish_quietly(host, GOODBYE_S + LEAVE_PUBLISH_S)  # a failed store (logged): it expires instead
         handover = time.monotonic() - t0
         host.events.write("left", **d.describe(), round=d.round, handover_s=handover, undelivered=sorted(waiting))
         if waiting:
             log.info("left after %.1f s; %d partner(s) never took our last payload", handover, len(waiting))
 
 
-async def publish_quietly(host: Host) -> None:
-    """``host.publish()``, a DHT failure logged rather than raised (the heartbeat loop publishes again soon)."""
+async def publish_quietly(host: Host, timeout: float | None = None) -> None:
+    """``host.publish()``, a DHT failure logged rather than raised (the heartbeat loop publishes again soon);
+    given up after ``timeout`` seconds."""
     try:
-        await host.publish()
+        async with asyncio.timeout(timeout):
+            await host.publish()
     except asyncio.CancelledError:
         raise
+    except TimeoutError:
+        log.warning("our heartbeat was not stored within %.0f s; the last one stored expires instead", timeout)
     except Exception as e:  # noqa: BLE001 - a failed store is retried by the heartbeat loop
         log.warning("could not publish our heartbeat now (%s); the heartbeat loop tries again", e)
+
+
+async def unless_stopped(host: Host, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None when the host is stopped first (then it is cancelled): a Ctrl-C never waits on
+    a state download's own deadlines (a chaos joiner spent 45 s of its 60 s after SIGINT in one)."""
+    task = asyncio.ensure_future(work)
+    return task.result() if await finish_or_stop(host, task, 0.0) else None
 
 
 async def first_of(timeout: float | None, *events: asyncio.Event) -> None:

@@ -211,3 +211,51 @@ def test_a_stop_while_an_exchange_runs_gives_it_the_grace_and_a_second_signal_no
         assert await finish_or_stop(host, landing, 10.0) and landing.result() == "late"
 
     run(body())
+
+
+def test_a_leaving_peers_heartbeat_stores_have_an_end():
+    """A leaving peer's two stores (its 'leaving, serving r' heartbeat and its goodbye) each end at their bound,
+    stored or not. Unbounded, a chaos peer whose link was at 1 Mbit/s spent 53 s of its 60 s after SIGINT in them
+    and was killed (docs/results/chaos.md, seed 13)."""
+    from locomm.peer.presence import GOODBYE_S, LEAVE_PUBLISH_S
+    from locomm.testing.clock import run
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        host, _, presence = _rig()
+
+        async def stuck() -> None:
+            await asyncio.sleep(600.0)  # a DHT store that never answers
+
+        host.publish = stuck  # type: ignore[method-assign]
+        host.dht_now = lambda: 0.0  # type: ignore[attr-defined]
+        gossip = SimpleNamespace(leaving=False, outgoing={}, undelivered=lambda r: set(), banned=set(), clock=float)
+        host.stop.set()
+        t0 = loop.time()
+        await presence.leave(gossip, 6, 30.0, 600.0, 60.0)  # type: ignore[arg-type]
+        assert loop.time() - t0 == pytest.approx(LEAVE_PUBLISH_S + GOODBYE_S + LEAVE_PUBLISH_S)
+        assert presence.left and gossip.leaving and host.events.log[-1][0] == "left"
+
+    run(body())
+
+
+def test_a_stop_ends_a_state_download_at_once():
+    """Ctrl-C while a joiner downloads the swarm's state cancels the download (nothing was loaded; no
+    ``sync_failed``). Before, the download ran on: a chaos joiner spent 45 s of its 60 s after SIGINT in one."""
+    from locomm.testing.clock import run
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        host, _, presence = _rig()
+
+        async def slow(donors: list[str], expected: Any, judge: Any = None) -> Any:
+            await asyncio.sleep(600.0)
+
+        host.fetch_state = slow  # type: ignore[method-assign]
+        loop.call_later(5.0, host.stop.set)
+        t0 = loop.time()
+        assert await presence.download(lambda beats, groups: ["d0"], {}, lambda t: None) is None
+        assert loop.time() - t0 == pytest.approx(5.0)
+        assert host.events.log == [] and host.slept == []
+
+    run(body())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -81,11 +82,6 @@ from locomm.protocol.sightings import Sightings
 from locomm.protocol.timing import Limits
 
 log = logging.getLogger(__name__)
-BOOT_ATTEMPTS = 5
-"""Tries at reaching the swarm through --initial-peers (2, 4, 8 and 16 s apart: about 40 s) before a peer gives
-up with a one-line error. Three (6 s) let a restart whose one initial peer was briefly out of reach (its link
-at 1 Mbit/s, its machine frozen: benchmarks/chaos.py) exit 2 where waiting half a minute more would have
-joined."""
 SIGHT_WAIT_S = 2.0
 """How long a heartbeat read of a peer that is not yet a started member waits for its hellos to identities it has
 not seen alive (they go on in the background up to ``hello.ASK_TIMEOUT_S``): a joiner's first view counts the
@@ -236,10 +232,11 @@ class Host:
         return self
 
     async def _connect(self, initial: list[str] | None, known: bool, boot: list[str] | None = None) -> None:
-        """P2P, the record validator and the DHT node. Through --initial-peers this is tried BOOT_ATTEMPTS times
-        (an initial peer on a slow link, or dying, fails p2pd's bootstrap or DHT's ping back), then it is a
-        one-line error, not a traceback."""
-        for attempt in range(BOOT_ATTEMPTS):
+        """P2P, the record validator and the DHT node. Through --initial-peers this is tried again (an initial
+        peer on a slow link, or dying, fails p2pd's bootstrap or DHT's ping back) as ``peer_cache.retry_in``
+        says (a restart that remembers peers, for minutes), then it is a one-line error, not a traceback."""
+        t0, remembered = time.monotonic(), bool(boot) and boot != initial
+        for attempt in itertools.count():
             p2p: P2P | None = None  # this attempt's, once it started (a p2pd that failed to start is gone)
             try:
                 self.p2p = p2p = await self._start_p2p(boot or initial, initial)
@@ -266,10 +263,12 @@ class Host:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(p2p.shutdown(), 10)
                     leftovers.forget(self._p2pd_record, p2p)
-                if attempt + 1 == BOOT_ATTEMPTS or self.stop.is_set():
+                wait = peer_cache.retry_in(attempt, time.monotonic() - t0, remembered)
+                if wait is not None and not self.stop.is_set():
+                    log.warning("reaching the swarm failed (%s: %s); again in %.0f s", type(e).__name__, e, wait)
+                    await self.sleep(wait)
+                if wait is None or self.stop.is_set():  # given up, or Ctrl-C while it waited
                     raise ConfigError(f"cannot reach the swarm through --initial-peers: {type(e).__name__}: {e}") from e
-                log.warning("reaching the swarm failed (%s: %s); again in %d s", type(e).__name__, e, 2 << attempt)
-                await self.sleep(2 << attempt)
 
     async def _create_dht(self, initial: list[str] | None) -> DHTNode:
         """The DHT node on our P2P. hivemind's bootstrap (strict) checks that an initial peer answers, can reach

@@ -67,10 +67,10 @@ async def test_an_initial_peer_out_of_reach_is_tried_again_then_one_error(monkey
     from hivemind.p2p import P2P
 
     from locomm.config import ConfigError
-    from locomm.peer import host as host_module
+    from locomm.peer.transport import peer_cache
     from locomm.peer.transport.records import SwarmValidator, load_identity
 
-    monkeypatch.setattr(host_module, "BOOT_ATTEMPTS", 2)
+    monkeypatch.setattr(peer_cache, "BOOT_ATTEMPTS", 2)
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import json
 
-from locomm.peer.transport.peer_cache import FILE_NAME, MAX_KNOWN, candidates, recall, remember
+from locomm.peer.transport.peer_cache import (
+    BOOT_ATTEMPTS,
+    BOOT_PATIENCE_S,
+    FILE_NAME,
+    MAX_KNOWN,
+    candidates,
+    recall,
+    remember,
+    retry_in,
+)
 from locomm.protocol.membership import Heartbeat
 
 
@@ -37,3 +46,25 @@ def test_whatever_the_file_holds_is_checked(tmp_path):
     junk = [1, "/ip4/1.1.1.1/tcp/1", "/ip4/1.1.1.1/tcp/1/p2p/" + "Q" * 400, "/ip4/1.1.1.1/tcp/1/p2p/QmOk"]
     (tmp_path / FILE_NAME).write_text(json.dumps(junk + ["/ip4/9.9.9.9/tcp/9/p2p/QmLate"] * 20))
     assert recall(tmp_path) == ["/ip4/1.1.1.1/tcp/1/p2p/QmOk", *["/ip4/9.9.9.9/tcp/9/p2p/QmLate"] * 4]
+
+
+def test_a_first_join_gives_up_soon_and_a_restart_that_remembers_peers_keeps_trying_for_minutes():
+    """A first join (only the user's address) gives up after BOOT_ATTEMPTS tries, about 40 s: a wrong address
+    says so soon. A restart whose folder remembers peers keeps trying for BOOT_PATIENCE_S, 30 s apart at most
+    (chaos seed 13: a restart exited 2 after 65 s while every live peer it knew was faulted at once)."""
+
+    def schedule(remembered: bool) -> list[float]:
+        waits, elapsed = [], 3.0  # each try itself takes a few seconds
+        for attempt in range(1000):
+            wait = retry_in(attempt, elapsed, remembered)
+            if wait is None:
+                return waits
+            waits.append(wait)
+            elapsed += wait + 3.0
+        raise AssertionError("never gave up")
+
+    first = schedule(False)
+    assert first == [2.0, 4.0, 8.0, 16.0] and len(first) == BOOT_ATTEMPTS - 1
+    restart = schedule(True)
+    assert restart[:5] == [2.0, 4.0, 8.0, 16.0, 30.0] and max(restart) == 30.0
+    assert BOOT_PATIENCE_S <= sum(restart) + 3.0 * (len(restart) + 1) <= BOOT_PATIENCE_S + 30.0 + 3.0

@@ -9,6 +9,11 @@ checkpoint folder when it reads a peer the file does not name yet, and at least 
 after the user's to the DHT bootstrap. They are candidates to reach the DHT through, never trusted for the
 run spec (only the user's ``--initial-peers`` are, peer/spec_sync.py). Whatever is in the file is checked:
 at most ``MAX_KNOWN`` entries, each a short string with a ``/p2p/`` id; anything else is ignored.
+
+How long a start keeps trying to reach the swarm (:func:`retry_in`) depends on it too: a first join names only
+what the user typed, and a wrong address should say so soon; a restart that remembers peers it trained with
+keeps trying for minutes, since every peer it knows may be out of reach together for a while (a home link
+down; in a chaos run every live peer was faulted at once, and a restart exited 2 after 65 s).
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ FILE_NAME = "known_peers.json"
 MAX_KNOWN = 8
 REMEMBER_EVERY_S = 60.0
 MAX_ADDR_CHARS = 300
+BOOT_ATTEMPTS = 5
+"""Tries at reaching the swarm (2, 4, 8 and 16 s apart: about 40 s) before a first join gives up with a one-line
+error. Three (6 s) let a restart whose one initial peer was briefly out of reach (its link at 1 Mbit/s, its
+machine frozen: benchmarks/chaos.py) exit 2 where waiting half a minute more would have joined."""
+BOOT_PATIENCE_S = 300.0
+"""How long a restart that remembers peers keeps trying, at least (BOOT_BACKOFF_MAX_S apart once past 30 s)."""
+BOOT_BACKOFF_MAX_S = 30.0
 
 
 def _usable(maddr: object, me: str) -> bool:
@@ -71,3 +83,11 @@ def recall(folder: Path) -> list[str]:
     if not isinstance(data, list):
         return []
     return [m for m in data[:MAX_KNOWN] if _usable(m, "")]
+
+
+def retry_in(attempt: int, elapsed_s: float, remembered: bool) -> float | None:
+    """After failed try ``attempt`` (0-based), ``elapsed_s`` after the first began: the seconds until the next
+    one, or None to give up. ``remembered``: the checkpoint folder named peers this identity trained with."""
+    if attempt + 1 >= BOOT_ATTEMPTS and (not remembered or elapsed_s >= BOOT_PATIENCE_S):
+        return None
+    return min(float(2 << min(attempt, 8)), BOOT_BACKOFF_MAX_S)

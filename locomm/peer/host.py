@@ -235,7 +235,7 @@ class Host:
         """P2P, the record validator and the DHT node. Through --initial-peers this is tried again (an initial
         peer on a slow link, or dying, fails p2pd's bootstrap or DHT's ping back) as ``peer_cache.retry_in``
         says (a restart that remembers peers, for minutes), then it is a one-line error, not a traceback."""
-        t0, remembered = time.monotonic(), bool(boot) and boot != initial
+        t0, remembered = time.monotonic(), bool(set(boot or ()) - set(initial or ()))  # peers it trained with
         for attempt in itertools.count():
             p2p: P2P | None = None  # this attempt's, once it started (a p2pd that failed to start is gone)
             try:

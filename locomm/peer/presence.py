@@ -63,9 +63,10 @@ PAUSE_ANSWER_S = 20.0
 STOP_HANDOVER_S = 10.0
 """After Ctrl-C, how long a leaving peer serves its last payload to partners that have not had it yet."""
 LEAVE_PUBLISH_S = 5.0
-"""How long each of a leaving peer's heartbeat stores may take (the goodbye: this beyond ``GOODBYE_S``, its own
-bound on reaching a node other than ours); one not stored by then expires instead. Unbounded, a chaos peer whose
-link was at 1 Mbit/s spent 53 s of its 60 s after SIGINT in two stores (docs/results/chaos.md, seed 13)."""
+"""After a signal, how long each of a leaving peer's heartbeat stores may take (the goodbye: this beyond
+``GOODBYE_S``, its own bound on reaching a node other than ours); one not stored by then expires instead.
+Unbounded, a chaos peer whose link was at 1 Mbit/s spent 53 s of its 60 s after SIGINT in two stores
+(docs/results/chaos.md, seed 13)."""
 RESYNC_RETRY_S = 5.0
 """Back from a pause, how long to wait before entering the swarm again when the DHT failed us (still paused)."""
 
@@ -374,7 +375,8 @@ class Presence:
 
         waiting: set[str] = set()
         gossip.leaving = True  # our heartbeat lists what we still serve: partners pull it now
-        await publish_quietly(host, LEAVE_PUBLISH_S)
+        bound = LEAVE_PUBLISH_S if stopping else None  # after a signal, leaving has an end of its own
+        await publish_quietly(host, bound)
         out = gossip.outgoing.get(last)
         end = math.inf if out is None else out.serve_until  # in the gossip's clock: never served past it
         while not host.hurry.is_set():
@@ -393,7 +395,8 @@ class Presence:
                 await asyncio.wait_for(host.hurry.wait(), 0.25)
         self.left = True
         d.phase = "left"
-        await publish_quietly(host, GOODBYE_S + LEAVE_PUBLISH_S)  # a failed store (logged): it expires instead
+        # a failed store (logged): the heartbeat expires instead
+        await publish_quietly(host, None if bound is None else GOODBYE_S + bound)
         handover = time.monotonic() - t0
         host.events.write("left", **d.describe(), round=d.round, handover_s=handover, undelivered=sorted(waiting))
         if waiting:
@@ -403,13 +406,17 @@ class Presence:
 async def publish_quietly(host: Host, timeout: float | None = None) -> None:
     """``host.publish()``, a DHT failure logged rather than raised (the heartbeat loop publishes again soon);
     given up after ``timeout`` seconds."""
+    bound = asyncio.timeout(timeout)
     try:
-        async with asyncio.timeout(timeout):
+        async with bound:
             await host.publish()
     except asyncio.CancelledError:
         raise
-    except TimeoutError:
-        log.warning("our heartbeat was not stored within %.0f s; the last one stored expires instead", timeout)
+    except TimeoutError as e:
+        if not bound.expired():  # a timeout inside the store: a DHT failure like any other
+            log.warning("could not publish our heartbeat now (%r); the heartbeat loop tries again", e)
+        else:
+            log.warning("our heartbeat was not stored within %.0f s; the last one stored expires instead", timeout)
     except Exception as e:  # noqa: BLE001 - a failed store is retried by the heartbeat loop
         log.warning("could not publish our heartbeat now (%s); the heartbeat loop tries again", e)
 
@@ -418,7 +425,11 @@ async def unless_stopped(host: Host, work: Awaitable[T]) -> T | None:
     """``work``'s result, or None when the host is stopped first (then it is cancelled): a Ctrl-C never waits on
     a state download's own deadlines (a chaos joiner spent 45 s of its 60 s after SIGINT in one)."""
     task = asyncio.ensure_future(work)
-    return task.result() if await finish_or_stop(host, task, 0.0) else None
+    try:
+        return task.result() if await finish_or_stop(host, task, 0.0) else None
+    except BaseException:  # we were cancelled (the host's task group): the download goes with us
+        task.cancel()
+        raise
 
 
 async def first_of(timeout: float | None, *events: asyncio.Event) -> None:

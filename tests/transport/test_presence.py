@@ -259,3 +259,28 @@ def test_a_stop_ends_a_state_download_at_once():
         assert host.events.log == [] and host.slept == []
 
     run(body())
+
+
+def test_a_download_cancelled_from_outside_takes_its_fetch_with_it():
+    """The host's task group cancelling the driver mid-download cancels the fetch too (no task left running on a
+    p2pd that is shutting down)."""
+    from locomm.testing.clock import run
+
+    async def body() -> None:
+        host, _, presence = _rig()
+        fetching: list[asyncio.Task] = []
+
+        async def slow(donors: list[str], expected: Any, judge: Any = None) -> Any:
+            fetching.append(asyncio.current_task())  # type: ignore[arg-type]
+            await asyncio.sleep(600.0)
+
+        host.fetch_state = slow  # type: ignore[method-assign]
+        outer = asyncio.ensure_future(presence.download(lambda beats, groups: ["d0"], {}, lambda t: None))
+        await asyncio.sleep(5.0)
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        await asyncio.sleep(0)
+        assert fetching and fetching[0].cancelled()
+
+    run(body())

@@ -310,8 +310,8 @@ class Stage:
 
         expected = expected_layout(state_tensors(self.params(), self.algo))
         got = await self.presence.download(donors, expected, self._load_state, stage=self.stage)
-        if got is None and not back_from_pause:
-            return  # a joiner goes on from the initial weights
+        if got is None and (host.stop.is_set() or not back_from_pause):
+            return  # a joiner goes on from the initial weights; stopped mid-sync, we leave as we were
         # The step (and data clock) most siblings reached: one claiming step 10^9 cannot send us there.
         step = robust_top((b.step for b in trained), slack=H)
         self.worker.step = step

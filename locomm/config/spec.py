@@ -46,7 +46,8 @@ _SECTIONS: dict[str, type] = {
 
 
 QUIET_AT_DEFAULT = (("inner", "bias_correction"),)
-"""Fields added after runs were started, hashed only where a spec sets them off their default."""
+"""Fields added after runs were started, hashed and written only where a spec sets them off their default (the
+section's own default: a section whose defaults a preset changes cannot be listed here)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +193,18 @@ class RunSpec:
         for name in _SECTIONS:
             section = getattr(self, name)
             doc[name] = {f.name: v for f in fields(section) if (v := getattr(section, f.name)) is not None}
+        for section, name in self._quiet():
+            del doc[section][name]
         return tomli_w.dumps(doc)
+
+    def _quiet(self) -> list[tuple[str, str]]:
+        """The ``QUIET_AT_DEFAULT`` fields this spec leaves at their default: neither hashed nor written, so a peer
+        of a version before them reads the spec (and joins the run) as before."""
+        return [
+            (section, name)
+            for section, name in QUIET_AT_DEFAULT
+            if getattr(getattr(self, section), name) == getattr(type(getattr(self, section))(), name)
+        ]
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(Path(path), self.to_toml())
@@ -203,9 +215,8 @@ class RunSpec:
         """Stable sha256 of the spec's content (hex). Equal specs hash equal on every machine. A field in
         ``QUIET_AT_DEFAULT`` is left out while at its default: adding it changed no run's id."""
         d = self.to_dict()
-        for section, name in QUIET_AT_DEFAULT:
-            if d[section][name] == getattr(type(getattr(self, section))(), name):
-                del d[section][name]
+        for section, name in self._quiet():
+            del d[section][name]
         canon = json.dumps(d, sort_keys=True, separators=(",", ":"), default=repr)
         return hashlib.sha256(canon.encode()).hexdigest()
 

@@ -176,6 +176,7 @@ class InnerOptimConfig:
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        check(self.bias_correction or self.name == "adams", "bias_correction", "only adams has a choice of it")
 
 
 # --------------------------------------------------------------------------- train

@@ -138,3 +138,17 @@ def test_apply_delay_steps_is_bounded_by_h():
     assert OuterConfig(inner_steps=20, apply_delay_steps=5).apply_delay_steps == 5
     with pytest.raises(ConfigError, match="apply_delay_steps"):
         OuterConfig(inner_steps=20, apply_delay_steps=21)
+
+
+def test_a_field_added_later_is_neither_hashed_nor_written_at_its_default():
+    """``inner.bias_correction`` came after runs had started: at its default a spec hashes and writes as before
+    (a peer of the version before reads it and joins the same run); set off it, the run is another one."""
+    from locomm.config.spec import RunSpec
+
+    spec = RunSpec.preset("nano").replace("inner", name="adams")
+    assert "bias_correction" not in spec.to_toml()
+    off = spec.replace("inner", bias_correction=False)
+    assert "bias_correction = false" in off.to_toml() and off.hash() != spec.hash()
+    assert RunSpec.from_toml(off.to_toml()) == off and RunSpec.from_toml(spec.to_toml()) == spec
+    with pytest.raises(ConfigError, match="bias_correction: only adams"):
+        RunSpec.preset("nano").replace("inner", bias_correction=False)

@@ -13,6 +13,7 @@ from locomm.config import ConfigError, RunSpec
 from locomm.data import CorpusError
 from locomm.peer import lifeline
 from locomm.peer.dataparallel.node import Node
+from locomm.peer.host import Stopped
 from locomm.peer.options import NodeOptions
 
 
@@ -81,6 +82,9 @@ def run_node(
         except (ConfigError, CorpusError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        except Stopped as e:
+            print(f"{e}: nothing was trained, nothing to hand over", file=sys.stderr)
+            sys.exit(0)
         if getattr(reporter, "finished", True) is False:  # our reporters: the node did not call finish()
             reporter.finish(summary)
         return summary

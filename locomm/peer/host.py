@@ -111,6 +111,10 @@ GOODBYE_S = 5.0
 """... within this long in all (the last peer of a swarm has nobody to tell, and leaving is bounded)."""
 
 
+class Stopped(Exception):
+    """A signal came before the peer reached the swarm: it leaves with nothing to hand over (exit 0)."""
+
+
 class Host:
     """A peer's runtime, shared by every driver (see the module docstring)."""
 
@@ -267,7 +271,9 @@ class Host:
                 if wait is not None and not self.stop.is_set():
                     log.warning("reaching the swarm failed (%s: %s); again in %.0f s", type(e).__name__, e, wait)
                     await self.sleep(wait)
-                if wait is None or self.stop.is_set():  # given up, or Ctrl-C while it waited
+                if self.stop.is_set():  # Ctrl-C while it tried: not an error (a chaos final stop read exit 2)
+                    raise Stopped("stopped before reaching the swarm") from e
+                if wait is None:
                     raise ConfigError(f"cannot reach the swarm through --initial-peers: {type(e).__name__}: {e}") from e
 
     async def _create_dht(self, initial: list[str] | None) -> DHTNode:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -81,6 +82,31 @@ async def test_an_initial_peer_out_of_reach_is_tried_again_then_one_error(monkey
     with pytest.raises(ConfigError, match="cannot reach the swarm through --initial-peers"):
         async with Host(_spec(), opts):
             pass
+
+
+async def test_a_stop_while_the_swarm_is_out_of_reach_is_a_stop_not_an_error(tmp_path):
+    """Ctrl-C while a peer is still trying to reach the swarm ends it at once, as a stop (`join` exits 0), not as
+    "cannot reach the swarm" (exit 2: chaos seed 14's final stop caught a restart between two tries)."""
+    import socket
+
+    from hivemind.p2p import P2P
+
+    from locomm.peer.host import Stopped
+    from locomm.peer.transport.records import SwarmValidator, load_identity
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ident = tmp_path / "gone.id"
+    P2P.generate_identity(str(ident))
+    gone = SwarmValidator(load_identity(ident)).peer_id
+    host = Host(_spec(), NodeOptions(initial_peers=(f"/ip4/127.0.0.1/tcp/{port}/p2p/{gone}",)))
+    asyncio.get_running_loop().call_later(1.0, host.stop.set)
+    t0 = time.monotonic()
+    with pytest.raises(Stopped):
+        async with host:
+            pass
+    assert time.monotonic() - t0 < 30.0  # not the 40 s of tries
 
 
 async def test_a_heartbeat_whose_ttl_shrank_is_still_stored_and_read_so_a_goodbye_lands():

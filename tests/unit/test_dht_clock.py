@@ -52,3 +52,20 @@ def test_install_points_hivemind_at_our_clock(monkeypatch: pytest.MonkeyPatch) -
     for module in (hivemind.utils.timed_storage, hivemind.dht.protocol, hivemind.dht.node):
         assert module.get_dht_time is dht_clock.now
     assert hivemind.dht.protocol.get_dht_time() - time.time() == pytest.approx(12.5, abs=0.5)
+
+
+def test_the_loop_handler_quiets_hiveminds_refused_pings_and_nothing_else():
+    """The unretrieved errors of a strict bootstrap that refused an initial peer's time (its pings' ValidationError,
+    and a ping that reached the refused node's protocol before its handlers were removed: chaos seed 14) go to the
+    debug log; anything else goes on to the loop's own handler."""
+    from hivemind.dht.protocol import ValidationError
+
+    from locomm.peer.transport.dht_clock import quiet_refusals
+
+    passed: list[BaseException] = []
+    handle = quiet_refusals(lambda loop, context: passed.append(context["exception"]))
+    handle(None, {"message": "x", "exception": ValidationError("local time must be within 3 seconds of others")})
+    handle(None, {"message": "x", "exception": AttributeError("'DHTProtocol' object has no attribute 'node_info'")})
+    other = AttributeError("'NoneType' object has no attribute 'peer_id'")
+    handle(None, {"message": "x", "exception": other})
+    assert passed == [other]

@@ -59,26 +59,31 @@ async def test_a_background_error_is_logged_and_a_task_error_stops_the_host(capl
             await host.sleep(30)  # cancelled when the task fails
 
 
-async def test_an_initial_peer_out_of_reach_is_tried_again_then_one_error(monkeypatch, tmp_path):
-    """p2pd fails to start when no --initial-peer answers: the attempt is retried, then a ConfigError (the
-    one-line error `join` prints), never a crash of the retry path (it reached for the P2P that never started:
-    an AttributeError and a traceback, seen when a joiner's initial peer had just left)."""
+def _nobody(tmp_path) -> str:
+    """The address of a peer id on a loopback port nobody listens on."""
     import socket
 
     from hivemind.p2p import P2P
 
-    from locomm.config import ConfigError
-    from locomm.peer.transport import peer_cache
     from locomm.peer.transport.records import SwarmValidator, load_identity
 
-    monkeypatch.setattr(peer_cache, "BOOT_ATTEMPTS", 2)
-    with socket.socket() as s:  # a port nobody listens on
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ident = tmp_path / "gone.id"
     P2P.generate_identity(str(ident))
-    gone = SwarmValidator(load_identity(ident)).peer_id
-    opts = NodeOptions(initial_peers=(f"/ip4/127.0.0.1/tcp/{port}/p2p/{gone}",))
+    return f"/ip4/127.0.0.1/tcp/{port}/p2p/{SwarmValidator(load_identity(ident)).peer_id}"
+
+
+async def test_an_initial_peer_out_of_reach_is_tried_again_then_one_error(monkeypatch, tmp_path):
+    """p2pd fails to start when no --initial-peer answers: the attempt is retried, then a ConfigError (the
+    one-line error `join` prints), never a crash of the retry path (it reached for the P2P that never started:
+    an AttributeError and a traceback, seen when a joiner's initial peer had just left)."""
+    from locomm.config import ConfigError
+    from locomm.peer.transport import peer_cache
+
+    monkeypatch.setattr(peer_cache, "BOOT_ATTEMPTS", 2)
+    opts = NodeOptions(initial_peers=(_nobody(tmp_path),))
     with pytest.raises(ConfigError, match="cannot reach the swarm through --initial-peers"):
         async with Host(_spec(), opts):
             pass
@@ -87,20 +92,9 @@ async def test_an_initial_peer_out_of_reach_is_tried_again_then_one_error(monkey
 async def test_a_stop_while_the_swarm_is_out_of_reach_is_a_stop_not_an_error(tmp_path):
     """Ctrl-C while a peer is still trying to reach the swarm ends it at once, as a stop (`join` exits 0), not as
     "cannot reach the swarm" (exit 2: chaos seed 14's final stop caught a restart between two tries)."""
-    import socket
-
-    from hivemind.p2p import P2P
-
     from locomm.peer.host import Stopped
-    from locomm.peer.transport.records import SwarmValidator, load_identity
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ident = tmp_path / "gone.id"
-    P2P.generate_identity(str(ident))
-    gone = SwarmValidator(load_identity(ident)).peer_id
-    host = Host(_spec(), NodeOptions(initial_peers=(f"/ip4/127.0.0.1/tcp/{port}/p2p/{gone}",)))
+    host = Host(_spec(), NodeOptions(initial_peers=(_nobody(tmp_path),)))
     asyncio.get_running_loop().call_later(1.0, host.stop.set)
     t0 = time.monotonic()
     with pytest.raises(Stopped):

@@ -121,8 +121,8 @@ def report(preset: str, entries: dict) -> str:
                 lines.append(f"| {w} | {method} | {lr:g} | {len(all_es)} | diverged | - | - |")
                 continue
             losses = [e["final_val_loss"] for e in es]
-            form = [(e["seed"], method.endswith(NOBC)) for e in es]
-            gaps = [100 * (e["final_val_loss"] / best[at] - 1) for e, at in zip(es, form, strict=True) if at in best]
+            ats = [(e["seed"], method.endswith(NOBC)) for e in es]  # each run against the best dense of its form
+            gaps = [100 * (e["final_val_loss"] / best[at] - 1) for e, at in zip(es, ats, strict=True) if at in best]
             loss = f"{statistics.fmean(losses):.4f}" + (f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else "")
             gap = "-" if not gaps else f"{statistics.fmean(gaps):+.2f}% ({', '.join(f'{g:+.2f}' for g in gaps)})"
             frac = statistics.fmean(e["bytes_per_step"] / e["dense_bytes"] for e in es)

@@ -29,17 +29,18 @@ from pathlib import Path
 from typing import Any
 
 from locomm.doctor.machine import Check
+from locomm.protocol.membership import MAX_CLOCK_SKEW_S
 
 PING_SAMPLES = 5
 CLOCK_PEERS = 5
 THROUGHPUT_S = 3.0
 """Seconds of state download at most (the state may be smaller: then all of it, once)."""
 FETCH_BATCH_BYTES = 4 << 20
-CLOCK_WARN_S, CLOCK_FAIL_S = 1.0, 30.0
-"""A peer runs on the swarm's DHT time (peer/transport/dht_clock.py): it corrects its wall clock by up to 30 s
-(``dht_clock.BOUND_S``) once a majority of the DHT nodes it asks agree, which a swarm of two never does, and
-hivemind's bootstrap still refuses peers more than 3 s apart (the peer joins anyway, with a warning). Over 1 s
-is a clock to fix; over 30 s is more than the peer can correct."""
+CLOCK_WARN_S, CLOCK_FAIL_S = 1.0, MAX_CLOCK_SKEW_S
+"""A peer runs on the swarm's DHT time (peer/transport/dht_clock.py): it corrects its wall clock by up to
+``MAX_CLOCK_SKEW_S`` (30 s, ``dht_clock.BOUND_S``) once a majority of the DHT nodes it asks agree, which a swarm
+of two never does, and hivemind's bootstrap still refuses peers more than 3 s apart (the peer joins anyway, with
+a warning). Over 1 s is a clock to fix; over 30 s is more than the peer can correct."""
 
 
 def classify(maddr: str) -> str:

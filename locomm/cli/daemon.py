@@ -13,8 +13,8 @@ from locomm.config import ConfigError, RunSpec
 from locomm.data import CorpusError
 from locomm.peer import lifeline
 from locomm.peer.dataparallel.node import Node
-from locomm.peer.host import Stopped
 from locomm.peer.options import NodeOptions
+from locomm.peer.transport.reach import Stopped
 
 
 class JsonLines(logging.Formatter):

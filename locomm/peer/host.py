@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import os
@@ -31,7 +30,6 @@ import secrets
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -41,19 +39,17 @@ from pathlib import Path
 from typing import Any
 
 from hivemind.dht import DHTNode
-from hivemind.dht.protocol import DHTProtocol
-from hivemind.dht.protocol import ValidationError as DHTValidationError
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P
 
 from locomm.atomic import atomic_write_text
 from locomm.compression.payload import PayloadCodec
-from locomm.config import ConfigError, RunSpec
+from locomm.config import RunSpec
 from locomm.peer.metrics import EventLog, Metrics
 from locomm.peer.options import NodeOptions
 from locomm.peer.spec_sync import settle_spec
 from locomm.peer.trackers import Trackers
-from locomm.peer.transport import dht_clock, hello, leftovers, peer_cache, relay_check
+from locomm.peer.transport import dht_clock, hello, leftovers, peer_cache, reach
 from locomm.peer.transport.gossip import Faults, Gossip
 from locomm.peer.transport.paths import live_connections
 from locomm.peer.transport.records import (
@@ -61,9 +57,6 @@ from locomm.peer.transport.records import (
     SwarmKey,
     SwarmValidator,
     heartbeat_ttl,
-    load_identity,
-    peer_id_of,
-    public_der,
 )
 from locomm.peer.transport.rpc import RpcServer, Service
 from locomm.peer.transport.shaper import Shaper
@@ -93,9 +86,6 @@ process's). The link is the exchange's bottleneck and idles while the CPU work t
 our partners' decodes) waits behind a forward pass; a round waits for both anyway, so that work goes first and
 compute takes what is left. On a volunteer's desktop the training thread also yields to the user's programs.
 Measured on 3 peers sharing 2 cores (docs/results/links.md): no change beyond the runs' spread."""
-RELAY_STARTS = 4
-"""p2pd starts a ``--reachability public`` peer tries for its full relay service (with one Go thread each start
-has won it in every measured start so far: 22 of 22, docs/results/nat.md)."""
 
 
 def _p2pd_running(p2p: P2P | None) -> bool:
@@ -109,10 +99,6 @@ GOODBYE_ATTEMPTS = 4
 a node other than ourselves ..."""
 GOODBYE_S = 5.0
 """... within this long in all (the last peer of a swarm has nobody to tell, and leaving is bounded)."""
-
-
-class Stopped(Exception):
-    """A signal came before the peer reached the swarm: it leaves with nothing to hand over (exit 0)."""
 
 
 class Host:
@@ -192,14 +178,25 @@ class Host:
         try:
             initial = list(self.opts.initial_peers) or None
             self.swarm_key = SwarmKey.load(self.opts.swarm_key) if self.opts.swarm_key else None
-            self.identity = self._identity_path()
+            self.identity, self._id_dir = reach.identity_path(self.opts, self.swarm_key)
             known = not initial or self.opts.spec_from_user  # this run's keys are guarded from the start
             await asyncio.to_thread(leftovers.sweep)  # sockets of killed peers' p2pd (their records only)
             dht_clock.install()  # hivemind's DHT time is ours: the wall clock and the offset the swarm agrees on
             boot = initial
             if initial and self.opts.checkpoint_dir is not None:  # a restart: the peers it saw last, after the user's
                 boot = list(dict.fromkeys([*initial, *peer_cache.recall(self.opts.checkpoint_dir)]))
-            await self._connect(initial, known, boot)
+            got = await reach.reach(
+                self.opts,
+                self.spec,
+                self.identity,
+                self.swarm_key,
+                boot=boot,
+                known=known,
+                stop=self.stop,
+                on_event=self.events.write,
+            )
+            self.p2p, self.dht, self.validator, self.me = got.p2p, got.dht, got.validator, got.me
+            self.maddrs, self._p2pd_record = got.maddrs, got.record
             if initial:  # on the swarm's time before our first record: a machine whose clock stepped joins on it
                 with contextlib.suppress(Exception):  # a clock check never stops a start
                     await dht_clock.check(self.dht, self.events.write)
@@ -234,82 +231,6 @@ class Host:
             await self.__aexit__(type(e), e, e.__traceback__)
             raise
         return self
-
-    async def _connect(self, initial: list[str] | None, known: bool, boot: list[str] | None = None) -> None:
-        """P2P, the record validator and the DHT node. Through --initial-peers this is tried again (an initial
-        peer on a slow link, or dying, fails p2pd's bootstrap or DHT's ping back) as ``peer_cache.retry_in``
-        says (a restart that remembers peers, for minutes), then it is a one-line error, not a traceback."""
-        t0, remembered = time.monotonic(), bool(set(boot or ()) - set(initial or ()))  # peers it trained with
-        for attempt in itertools.count():
-            p2p: P2P | None = None  # this attempt's, once it started (a p2pd that failed to start is gone)
-            try:
-                self.p2p = p2p = await self._start_p2p(boot or initial, initial)
-                self._p2pd_record = leftovers.record(self.p2p)  # removed on exit, or by the next start after a kill
-                self.me = self.p2p.peer_id.to_base58()
-                self.validator = SwarmValidator(
-                    load_identity(self.identity), swarm_key=self.swarm_key, clock=dht_clock.now
-                )
-                if self.validator.peer_id != self.me:
-                    raise ConfigError(f"the identity {self.identity} is not the key p2pd runs with")
-                for peer in peer_ids_of(self.opts.initial_peers):
-                    self.validator.trust(peer)
-                if known:
-                    self.validator.set_run(self.spec.hash()[:16], self.spec.network.heartbeat_ttl_s)
-                self.maddrs = await self.p2p.get_visible_maddrs()
-                self.dht = await self._create_dht(boot or initial)
-                return
-            except (ConfigError, asyncio.CancelledError):
-                raise
-            except Exception as e:  # p2pd's "failed to connect to bootstrap peers", DHT's ValidationError, ...
-                if not initial:
-                    raise
-                if p2p is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(p2p.shutdown(), 10)
-                    leftovers.forget(self._p2pd_record, p2p)
-                wait = peer_cache.retry_in(attempt, time.monotonic() - t0, remembered)
-                if wait is not None and not self.stop.is_set():
-                    log.warning("reaching the swarm failed (%s: %s); again in %.0f s", type(e).__name__, e, wait)
-                    await self.sleep(wait)
-                if self.stop.is_set():  # Ctrl-C while it tried: not an error (a chaos final stop read exit 2)
-                    raise Stopped("stopped before reaching the swarm") from e
-                if wait is None:
-                    raise ConfigError(f"cannot reach the swarm through --initial-peers: {type(e).__name__}: {e}") from e
-
-    async def _create_dht(self, initial: list[str] | None) -> DHTNode:
-        """The DHT node on our P2P. hivemind's bootstrap (strict) checks that an initial peer answers, can reach
-        us back and keeps our time within 3 s; the last alone is not ours to enforce: one initial peer whose
-        clock is off (an NTP step, a wrong RTC: benchmarks/chaos.py's clock_step) kept every newcomer that named
-        it out of the swarm. Our records are checked against each reader's own clock (peer/transport/records.py),
-        so then the node is created again, on the same P2P, without that check."""
-        try:
-            return await DHTNode.create(p2p=self.p2p, initial_peers=initial, record_validator=self.validator)
-        except DHTValidationError as e:
-            if "local time" not in str(e):
-                raise
-            log.warning("the initial peer's clock differs from ours by over 3 s (%s); joining anyway", e)
-        # the failed node's protocol handlers are still registered on the P2P (hivemind leaves them): remove them
-        # (remove_p2p_handlers reads only the class's handler table)
-        await DHTProtocol.remove_p2p_handlers(DHTProtocol.__new__(DHTProtocol), self.p2p)
-        return await DHTNode.create(p2p=self.p2p, initial_peers=initial, record_validator=self.validator, strict=False)
-
-    async def _start_p2p(self, boot: list[str] | None, initial: list[str] | None) -> P2P:
-        """hivemind's P2P (p2pd). A relaying node that says it is public (``--reachability public``) first checks
-        which circuit-relay service its p2pd serves with, and restarts p2pd (same identity) while it is the one
-        limited to 128 KiB per relayed connection, at most ``RELAY_STARTS`` times; its p2pd runs one Go thread,
-        which settles the race in hivemind 1.1.12's p2pd for the wide one (peer/transport/relay_check.py; an open
-        peer left to AutoNAT has the limited one only until AutoNAT says public)."""
-
-        async def create() -> P2P:
-            return await P2P.create(
-                initial_peers=boot,  # the user's --initial-peers, and on a restart the peers it saw last
-                identity_path=str(self.identity),
-                **self.opts.p2p_kwargs(initial or ()),  # addresses, relays (the user's), auto-relay, reachability
-            )
-
-        if self.opts.reachability != "public" or not self.opts.relay:
-            return await create()
-        return await relay_check.start_checked(create, self.events.write, RELAY_STARTS)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.stop.set()
@@ -375,29 +296,6 @@ class Host:
         return task
 
     # -- the spec ----------------------------------------------------------------------
-
-    def _identity_path(self) -> Path:
-        """The user's --identity, else a fresh one in a private (0700) temp folder removed at exit: P2P always
-        runs with a key this host holds, since that key signs every record it writes."""
-        cert = self.swarm_key.certificate if self.swarm_key is not None else None
-        if self.opts.identity is not None:
-            if self.opts.identity.exists():
-                key = load_identity(self.opts.identity)  # an unusable key fails here, before p2pd starts
-                if self.swarm_key is not None:
-                    self.swarm_key.check_identity(peer_id_of(public_der(key)))
-            elif cert is not None:
-                raise ConfigError(
-                    f"--identity {self.opts.identity}: no such file, and the admission certificate "
-                    f"names peer {cert.peer}: pass the identity file the founder admitted"
-                )
-            return self.opts.identity
-        if cert is not None:
-            raise ConfigError(
-                f"the admission certificate names peer {cert.peer}: pass --identity with that peer's "
-                "key file (a peer without --identity gets a new id every start)"
-            )
-        self._id_dir = Path(tempfile.mkdtemp(prefix="locomm-id-"))  # mkdtemp: mode 0700
-        return self._id_dir / "identity.key"  # P2P.create generates it (and skips the "is it taken" check)
 
     def _forget_unchecked(self, key: str) -> None:
         """Drop what this node stored or cached for ``key`` before its validator guarded it (a joiner learns

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -59,17 +60,18 @@ async def test_a_background_error_is_logged_and_a_task_error_stops_the_host(capl
             await host.sleep(30)  # cancelled when the task fails
 
 
-def _nobody(tmp_path) -> str:
-    """The address of a peer id on a loopback port nobody listens on."""
+def _nobody(tmp_path, port: int | None = None) -> str:
+    """The address of a peer id on a loopback port nobody listens on (or on ``port``)."""
     import socket
 
     from hivemind.p2p import P2P
 
     from locomm.peer.transport.records import SwarmValidator, load_identity
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     ident = tmp_path / "gone.id"
     P2P.generate_identity(str(ident))
     return f"/ip4/127.0.0.1/tcp/{port}/p2p/{SwarmValidator(load_identity(ident)).peer_id}"
@@ -92,7 +94,7 @@ async def test_an_initial_peer_out_of_reach_is_tried_again_then_one_error(monkey
 async def test_a_stop_while_the_swarm_is_out_of_reach_is_a_stop_not_an_error(tmp_path):
     """Ctrl-C while a peer is still trying to reach the swarm ends it at once, as a stop (`join` exits 0), not as
     "cannot reach the swarm" (exit 2: chaos seed 14's final stop caught a restart between two tries)."""
-    from locomm.peer.host import Stopped
+    from locomm.peer.transport.reach import Stopped
 
     host = Host(_spec(), NodeOptions(initial_peers=(_nobody(tmp_path),)))
     asyncio.get_running_loop().call_later(1.0, host.stop.set)
@@ -101,6 +103,73 @@ async def test_a_stop_while_the_swarm_is_out_of_reach_is_a_stop_not_an_error(tmp
         async with host:
             pass
     assert time.monotonic() - t0 < 30.0  # not the 40 s of tries
+
+
+def _p2pd_children() -> set[int]:
+    """The p2pd processes this test process started (Linux /proc)."""
+    import os
+    from pathlib import Path
+
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid() and "p2pd" in (stat.parent / "cmdline").read_text():
+                out.add(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+async def test_a_stop_cuts_a_try_in_flight_and_stops_the_p2pd_it_started(monkeypatch, tmp_path):
+    """Ctrl-C while a try is in flight ends it there: the p2pd it started is stopped before the host says Stopped,
+    and it does not wait for the try to fail on its own. Before, a signal waited for the try (chaos seed 14's final
+    stop: 27.6 s). The initial peer here accepts TCP and never answers: p2pd waits for it about 5 s."""
+    from pathlib import Path
+
+    from locomm.peer.transport import reach
+    from locomm.peer.transport.reach import Stopped
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads child processes from /proc (Linux)")
+    held: list = []
+    server = await asyncio.start_server(lambda r, w: held.append(w), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    silent = _nobody(tmp_path, port)
+    exits: list[int | None] = []
+    real_stop = reach._stop_p2pd
+
+    async def noted_stop(p2p) -> None:
+        await real_stop(p2p)
+        exits.append(p2p._child.returncode)
+
+    monkeypatch.setattr(reach, "_stop_p2pd", noted_stop)
+    before = _p2pd_children()
+    host = Host(_spec(), NodeOptions(initial_peers=(silent,)))
+
+    async def stop_once_p2pd_runs() -> float:
+        while not _p2pd_children() - before:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        host.stop.set()
+        return time.monotonic()
+
+    stopper = asyncio.create_task(stop_once_p2pd_runs())
+    try:
+        with pytest.raises(Stopped):
+            async with host:
+                pass
+        assert stopper.done()
+        cut_s = time.monotonic() - stopper.result()
+    finally:
+        stopper.cancel()
+        server.close()
+        for w in held:
+            w.close()
+    # stopped by our SIGTERM while it was still starting (p2pd exits 143 on it), not exited on its own (1)
+    assert exits in ([143], [-signal.SIGTERM]), exits
+    assert not _p2pd_children() - before  # and it is gone (reaped), before Stopped
+    assert cut_s < 30.0, cut_s
 
 
 async def test_a_heartbeat_whose_ttl_shrank_is_still_stored_and_read_so_a_goodbye_lands():

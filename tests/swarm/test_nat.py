@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from locomm.peer.host import RELAY_STARTS
+from locomm.peer.transport.reach import RELAY_STARTS
 from locomm.peer.transport.relay_check import PROBE_BYTES
 from locomm.testing import netlab
 

@@ -80,7 +80,7 @@ def _write(where: Path | None, paths: list[str]) -> Path | None:
     folder = where or records_dir()
     try:
         private_dir(folder)
-        path = folder / f"{os.getpid()}-{Path(paths[0]).stem.rsplit('-', 1)[-1]}.json"
+        path = _record_path(folder, paths)
         with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:  # as every file we write
             f.write(json.dumps({"pid": os.getpid(), "sockets": paths}))
     except OSError as e:  # a full or read-only disk: the sockets may be left, nothing else
@@ -89,11 +89,19 @@ def _write(where: Path | None, paths: list[str]) -> Path | None:
     return path
 
 
+def _record_path(folder: Path, paths: list[str]) -> Path:
+    return folder / f"{os.getpid()}-{Path(paths[0]).stem.rsplit('-', 1)[-1]}.json"
+
+
 def forget(rec: Path | None, p2p: Any) -> None:
-    """On exit: remove ``p2p``'s sockets if they are still there, and the record."""
-    for path in sockets_of(p2p):
+    """On exit: remove ``p2p``'s sockets if they are still there, and the record (``rec``; None: the one
+    :func:`record_spawn` wrote as it started, for a p2pd that never answered)."""
+    paths = sockets_of(p2p)
+    for path in paths:
         with contextlib.suppress(OSError):
             os.remove(path)
+    if rec is None and paths:
+        rec = _record_path(records_dir(), paths)
     if rec is not None:
         with contextlib.suppress(OSError):
             rec.unlink()

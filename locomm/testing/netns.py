@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 PREFIX = "lnl"
 """Namespace names start with this, then the creating pid: ``lnl<pid>x<seq>-<host>``."""
@@ -162,6 +162,34 @@ def _probe(nat: bool) -> tuple[bool, str]:
         with contextlib.suppress(Exception):
             _run(["ip", "netns", "del", ns], check=False)
     return True, ""
+
+
+CLONE_NEWNET = 0x40000000
+
+
+@contextlib.contextmanager
+def entered(ns: str) -> Iterator[None]:
+    """Run the calling thread inside namespace ``ns`` for the ``with`` body (``setns(2)``), then back in its own:
+    sockets it opens and processes it starts there (an in-process ``hivemind.P2P``'s p2pd) live in ``ns``. Other
+    threads, and sockets opened before, stay where they were. Linux, root."""
+    import ctypes  # noqa: PLC0415 - only this helper needs it
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        try:
+            if libc.setns(target, CLONE_NEWNET) != 0:
+                raise NetlabError(f"setns into {ns}: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            if libc.setns(own, CLONE_NEWNET) != 0:  # a thread left in a lab's namespace would outlive it
+                raise NetlabError(f"setns back from {ns}: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(own)
 
 
 def _next_seq() -> int:

@@ -272,35 +272,23 @@ async def test_the_judge_takes_every_honest_state(net):
     assert got is not None and got.rule == "median" and len(got.donors) == 5 and faults == []
 
 
-async def test_identities_minted_behind_one_address_fill_one_donor_slot():
-    """Four identities on one machine (one /16: 127.9/16 here) claim the top round and serve one poisoned state;
-    four honest donors sit in four other groups (127.1-127.4/16: every 127/8 address is loopback on Linux, and
-    p2pd's connections show each peer's own source address, inbound or outbound). Ordered by claimed round,
-    the minted identities were 4 of the 5 donors and their state won the majority rule; ordered one per network
-    group first (``membership.netgroup`` of the joiner's live connections), they are one donor of five and the
-    median stays within the honest donors' range. No loss check here: a poison as good on held-out data as an
-    honest state (a backdoor) is what this rule is for."""
-    honest_ips = [f"127.{i}.0.1" for i in range(1, 5)]
-    minted_ips = [f"127.9.0.{i}" for i in range(1, 5)]
+async def _minted_fill_one_slot(joiner: P2P, honest_peers: list[P2P], minted_peers: list[P2P], minted_group: str):
+    """Four honest donors, four minted identities serving one poisoned state and claiming the top round: ordered by
+    claimed round the minted state wins the majority rule; one per network group first, the median stays within
+    the honest donors' range."""
     pool = ThreadPoolExecutor(1)
-    peers: list[P2P] = []
     try:
-        joiner = await P2P.create(host_maddrs=["/ip4/127.5.0.1/tcp/0"])
-        peers.append(joiner)
-        at = [str(m) for m in await joiner.get_visible_maddrs()]
-        peers += await asyncio.gather(
-            *(P2P.create(host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=at) for ip in honest_ips + minted_ips)
-        )
         honest = [state(seed=s, jitter=0.01) for s in (1, 2, 3, 4)]
         poison = {k: v + 1000.0 for k, v in state().items()}
-        for p, snap in zip(peers[1:], [Snapshot.take(5, h) for h in honest] + [Snapshot.take(6, poison)] * 4):
+        snaps = [Snapshot.take(5, h) for h in honest] + [Snapshot.take(6, poison)] * len(minted_peers)
+        for p, snap in zip(honest_peers + minted_peers, snaps, strict=True):
             server = StateServer(RUN, copies=10)
             server.snapshot = snap
             await RpcServer(p, RUN, LIMITS, pool, authorize=None).add(server.service())
-        ids = [p.peer_id.to_base58() for p in peers[1:]]
+        ids = [p.peer_id.to_base58() for p in honest_peers + minted_peers]
         beats = [Heartbeat(peer=i, round=5 + (k >= 4), started=True) for k, i in enumerate(ids)]
         groups = {peer: netgroup(addrs) for peer, addrs in (await live_connections(joiner)).items()}
-        assert {groups[i] for i in ids[4:]} == {"ip4:127.9.0.0/16"}
+        assert {groups[i] for i in ids[4:]} == {minted_group}
         assert len({groups[i] for i in ids[:4]}) == 4
 
         before = state_donors(beats, 6, lambda b: b.round)
@@ -318,9 +306,60 @@ async def test_identities_minted_behind_one_address_fill_one_donor_slot():
             hi = torch.stack([h[k] for h in honest]).amax(0)
             assert bool(((got.tensors[k] >= lo) & (got.tensors[k] <= hi)).all()), k
     finally:
+        pool.shutdown()
+
+
+async def test_identities_minted_behind_one_address_fill_one_donor_slot():
+    """Four identities on one machine (one /16: 127.9/16 here) claim the top round and serve one poisoned state;
+    four honest donors sit in four other groups (127.1-127.4/16: every 127/8 address is loopback on Linux, and
+    p2pd's connections show each peer's own source address, inbound or outbound). Ordered by claimed round,
+    the minted identities were 4 of the 5 donors and their state won the majority rule; ordered one per network
+    group first (``membership.netgroup`` of the joiner's live connections), they are one donor of five and the
+    median stays within the honest donors' range. No loss check here: a poison as good on held-out data as an
+    honest state (a backdoor) is what this rule is for."""
+    peers: list[P2P] = []
+    try:
+        joiner = await P2P.create(host_maddrs=["/ip4/127.5.0.1/tcp/0"])
+        peers.append(joiner)
+        at = [str(m) for m in await joiner.get_visible_maddrs()]
+        ips = [f"127.{i}.0.1" for i in range(1, 5)] + [f"127.9.0.{i}" for i in range(1, 5)]
+        peers += await asyncio.gather(*(P2P.create(host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=at) for ip in ips))
+        await _minted_fill_one_slot(joiner, peers[1:5], peers[5:], "ip4:127.9.0.0/16")
+    finally:
         for p in peers:
             await p.shutdown()
-        pool.shutdown()
+
+
+async def test_identities_minted_on_one_machine_fill_one_donor_slot_across_namespaces():
+    """The same, with every machine its own network stack: each honest donor and the joiner in a network namespace
+    of its own, on its own /16 (10.101-10.105), and the four minted identities in one namespace behind one
+    address (10.109.0.1, four ports), as one machine runs them. The namespaces share a bridge
+    (``testing/netlab.py``); each p2pd is started inside its machine's namespace (``netlab.entered``). Skipped
+    where namespaces cannot be built (root, iproute2)."""
+    from locomm.testing import netlab
+
+    ok, why = netlab.available()
+    if not ok:
+        pytest.skip(f"netlab unavailable: {why}")
+    ips = ["10.105.0.1", "10.101.0.1", "10.102.0.1", "10.103.0.1", "10.104.0.1", "10.109.0.1"]
+    peers: list[P2P] = []
+    with netlab.Lab(signals=False) as lab:
+        hosts = [lab.add_host(n) for n in ("joiner", "h1", "h2", "h3", "h4", "sybil")]
+        for h, ip in zip(hosts, ips, strict=True):  # a /16 of its own (the lab's bridge subnet is one /24)
+            h.run(["ip", "addr", "add", f"{ip}/32", "dev", "eth0"])
+            h.run(["ip", "route", "add", "10.96.0.0/11", "dev", "eth0", "src", ip])
+        try:
+            with netlab.entered(hosts[0].netns):
+                joiner = await P2P.create(host_maddrs=[f"/ip4/{ips[0]}/tcp/0"])
+            peers.append(joiner)
+            at = [str(m) for m in await joiner.get_visible_maddrs()]
+            for h, ip in [*zip(hosts[1:5], ips[1:5]), *[(hosts[5], ips[5])] * 4]:
+                with netlab.entered(h.netns):
+                    peers.append(await P2P.create(host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=at))
+            await _minted_fill_one_slot(joiner, peers[1:5], peers[5:], "ip4:10.109.0.0/16")
+        finally:
+            for p in peers:
+                await p.shutdown()
 
 
 async def test_a_donor_whose_stream_did_not_open_is_asked_once_more(net):

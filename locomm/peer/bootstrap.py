@@ -26,13 +26,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hivemind.dht import DHTNode
-from hivemind.p2p import P2P
-
 from locomm.atomic import atomic_write_text
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.options import NodeOptions
-from locomm.peer.transport import dht_clock, leftovers
+from locomm.peer.transport import dht_clock, leftovers, reach
 from locomm.peer.transport.records import SPEC_TTL_S, SwarmKey, SwarmValidator, load_identity
 from locomm.peer.transport.swarm import publish_spec
 
@@ -64,7 +61,7 @@ async def run_bootstrap(
     try:
         leftovers.sweep()
         dht_clock.install()  # stores and expires records on the swarm's time (peer/transport/dht_clock.py)
-        p2p = await P2P.create(initial_peers=initial, identity_path=str(identity), **opts.p2p_kwargs(initial or ()))
+        p2p = await reach.start_p2p(opts, identity, initial)  # a public relay: the relay guard the peers get
         rec = leftovers.record(p2p)
         me = p2p.peer_id.to_base58()
         validator = SwarmValidator(load_identity(identity), swarm_key=key, clock=dht_clock.now)
@@ -72,7 +69,7 @@ async def run_bootstrap(
             raise ConfigError(f"the identity {identity} is not the key p2pd runs with")
         if spec is not None:
             validator.set_run(spec.hash()[:16], spec.network.heartbeat_ttl_s)
-        dht = await DHTNode.create(p2p=p2p, initial_peers=initial, record_validator=validator)
+        dht = await reach.create_dht(p2p, initial, validator)  # an initial peer's clock off: joins anyway
         maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
         if opts.announce_file:
             atomic_write_text(opts.announce_file, "\n".join(maddrs) + "\n")

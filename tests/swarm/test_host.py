@@ -11,6 +11,7 @@ import pytest
 from locomm.config import RunSpec
 from locomm.peer.host import Host
 from locomm.peer.options import NodeOptions
+from locomm.peer.transport import reach
 from locomm.protocol.membership import Heartbeat
 
 pytestmark = pytest.mark.timeout(120)
@@ -103,6 +104,60 @@ async def test_a_stop_while_the_swarm_is_out_of_reach_is_a_stop_not_an_error(tmp
         async with host:
             pass
     assert time.monotonic() - t0 < 30.0  # not the 40 s of tries
+
+
+async def test_a_restart_that_remembers_peers_waits_past_a_first_joins_tries_for_them_to_come_back(
+    monkeypatch, tmp_path
+):
+    """A restart whose checkpoint folder remembers peers it trained with keeps trying after a first join would have
+    given up (``peer_cache.retry_in``): here every peer it knows is down for its first tries, then one comes back
+    at its remembered address, and the restart joins through it. The tries are cut to 2 and the patience to 60 s
+    so that this takes seconds, not the minutes of the defaults."""
+    import json
+    import socket
+
+    from hivemind.dht import DHTNode
+    from hivemind.p2p import P2P
+
+    from locomm.peer.transport import peer_cache
+
+    monkeypatch.setattr(peer_cache, "BOOT_ATTEMPTS", 2)
+    monkeypatch.setattr(peer_cache, "BOOT_PATIENCE_S", 60.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    initial = _nobody(tmp_path)
+    (tmp_path / "back").mkdir()
+    back = _nobody(tmp_path / "back", port)  # an identity whose peer is down now, at the address the folder remembers
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / peer_cache.FILE_NAME).write_text(json.dumps([back]))
+    opts = NodeOptions(initial_peers=(initial,), checkpoint_dir=tmp_path / "ckpt")
+    tries: list[float] = []
+    real_try = reach._try
+
+    async def counted(*args, **kwargs):
+        tries.append(time.monotonic())
+        return await real_try(*args, **kwargs)
+
+    monkeypatch.setattr(reach, "_try", counted)
+    peer: list = []
+
+    async def come_back() -> None:
+        while len(tries) <= peer_cache.BOOT_ATTEMPTS:  # past a first join's last try
+            await asyncio.sleep(0.1)
+        ident = str(tmp_path / "back" / "gone.id")
+        p2p = await P2P.create(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], identity_path=ident)
+        peer.extend([p2p, await DHTNode.create(p2p=p2p)])
+
+    returning = asyncio.create_task(come_back())
+    try:
+        async with Host(_spec(), opts) as host:
+            assert host.dht is not None and returning.done()
+    finally:
+        returning.cancel()
+        for svc in reversed(peer):
+            await svc.shutdown()
+    assert len(tries) > peer_cache.BOOT_ATTEMPTS  # a first join would have said "cannot reach the swarm"
 
 
 def _p2pd_children() -> set[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import itertools
 import logging
 import tempfile
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from hivemind.dht import DHTNode
 from hivemind.dht.protocol import DHTProtocol
@@ -42,8 +43,6 @@ RELAY_STARTS = 4
 has won it in every measured start so far: 22 of 22, docs/results/nat.md)."""
 P2PD_STOP_S = 10.0
 """How long a p2pd that a failed or cut try started gets to exit after SIGTERM, before SIGKILL."""
-
-T = TypeVar("T")
 
 
 class Stopped(Exception):
@@ -66,16 +65,24 @@ class Reached:
 _STARTED: contextvars.ContextVar[list[P2P] | None] = contextvars.ContextVar("locomm_started_p2pd", default=None)
 
 
-class _Owned(P2P):
-    """hivemind's P2P, noted in the current try's list as soon as it exists: ``P2P.create`` builds the instance
-    before it starts p2pd and returns it only once p2pd answers, so a try cut inside it would otherwise leave a
-    p2pd that nobody holds running."""
+def _note_new_p2p() -> None:
+    """Note each hivemind P2P in the current try's list as soon as it exists (idempotent): ``P2P.create`` builds
+    the instance before it starts p2pd and returns it only once p2pd answers, and a relay check builds probe
+    nodes of its own (``relay_check.probe``), so a try cut inside one would otherwise leave a p2pd that nobody
+    holds running. Outside a try (no list in the context) nothing is noted."""
+    init = P2P.__init__
+    if getattr(init, "_locomm_noted", False):
+        return
 
-    def __init__(self) -> None:
-        super().__init__()
+    @functools.wraps(init)
+    def noted(self: P2P, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
         started = _STARTED.get()
         if started is not None:
             started.append(self)
+
+    noted._locomm_noted = True  # type: ignore[attr-defined]
+    P2P.__init__ = noted  # type: ignore[method-assign]
 
 
 def identity_path(opts: NodeOptions, swarm_key: SwarmKey | None) -> tuple[Path, Path | None]:
@@ -143,22 +150,44 @@ async def reach(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-async def _unless_stopped(coro: Coroutine[Any, Any, T], stop: asyncio.Event) -> T:
-    """``coro``'s result, or :class:`Stopped` as soon as ``stop`` is set (``coro`` is then cancelled, and awaited:
-    a try cleans up what it started before this returns)."""
+async def _unless_stopped(coro: Coroutine[Any, Any, Reached], stop: asyncio.Event) -> Reached:
+    """``coro``'s result, or :class:`Stopped` as soon as ``stop`` is set: ``coro`` is then cancelled and awaited (a
+    try stops what it started before this returns). A cancel from outside is passed on to the try the same way,
+    and raised; a try that finished all the same (its result came in the same instant) is closed."""
     task = asyncio.ensure_future(coro)
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _cut(task)
+        raise
     finally:
         stopped.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):  # its own error, or the cancel: a stop is what we report
-                await task
-    if task.cancelled():
+    if not task.done():
+        await _cut(task)
         raise Stopped("stopped before reaching the swarm")
     return task.result()
+
+
+async def _cut(task: asyncio.Future[Reached]) -> None:
+    """Cancel a try and wait for it to clean up (a second cancel of ours stops the wait, not its clean-up); close
+    what it reached if it finished first."""
+    task.cancel()
+    await asyncio.wait({task})  # never cancels ``task`` again
+    if not task.cancelled() and task.exception() is None:
+        await asyncio.shield(_close(task.result()))
+
+
+async def _close(got: Reached) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(got.dht.shutdown(), P2PD_STOP_S)
+    await _stop_all([got.p2p])
+
+
+async def _stop_all(started: list[P2P]) -> None:
+    for p in started:
+        await _stop_p2pd(p)
+        leftovers.forget(None, p)
 
 
 async def _try(
@@ -172,7 +201,8 @@ async def _try(
 ) -> Reached:
     """One try. Whatever ends it early (an error, a cancel) stops every p2pd it started first."""
     started: list[P2P] = []
-    _STARTED.set(started)  # this task's own context: what _Owned notes
+    _STARTED.set(started)  # this task's own context (and the tasks it starts): what _note_new_p2p fills
+    _note_new_p2p()
     try:
         p2p = await start_p2p(opts, identity, boot, on_event)
         record = leftovers.record(p2p)
@@ -188,9 +218,7 @@ async def _try(
         dht = await create_dht(p2p, boot, validator)
         return Reached(p2p, dht, validator, me, maddrs, record)
     except BaseException:
-        for p in started:
-            await asyncio.shield(_stop_p2pd(p))  # a second cancel does not leave it running either
-            leftovers.forget(None, p)
+        await asyncio.shield(_stop_all(started))  # a second cancel does not leave any running either
         raise
 
 
@@ -234,7 +262,7 @@ async def start_p2p(
     peer left to AutoNAT has the limited one only until AutoNAT says public)."""
 
     async def create() -> P2P:
-        return await _Owned.create(
+        return await P2P.create(
             initial_peers=boot,  # the user's --initial-peers, and on a restart the peers it saw last
             identity_path=str(identity),
             **opts.p2p_kwargs(opts.initial_peers),  # addresses, relays (the user's), auto-relay, reachability

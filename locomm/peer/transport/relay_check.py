@@ -136,7 +136,7 @@ async def probe(relay: str, nbytes: int = PROBE_BYTES) -> tuple[int, str]:
             await asyncio.wait_for(asyncio.shield(got), 2 if sent else 0.01)  # what the sink had when it stopped
         for node in nodes:
             with contextlib.suppress(Exception):
-                await node.shutdown()
+                await asyncio.wait_for(node.shutdown(), 10)  # bounded: a stop waits on this clean-up
     n = got.result() if got.done() else 0
     return n, "ok" if n == nbytes and reply == str(n).encode() else f"{what} after {sent} sent"
 

@@ -130,9 +130,10 @@ async def reach(
     initial = list(opts.initial_peers) or None
     boot = boot or initial
     t0, remembered = time.monotonic(), bool(set(boot or ()) - set(initial or ()))  # peers it trained with
+    plan = _Plan(opts, spec, identity, swarm_key, boot, known, on_event)
     for attempt in itertools.count():
         try:
-            return await _unless_stopped(_try(opts, spec, identity, swarm_key, boot, known, on_event), stop)
+            return await _unless_stopped(_try(plan), stop)
         except (ConfigError, Stopped, asyncio.CancelledError):
             raise
         except Exception as e:  # p2pd's "failed to connect to bootstrap peers", DHT's ValidationError, ...
@@ -190,29 +191,35 @@ async def _stop_all(started: list[P2P]) -> None:
         leftovers.forget(None, p)
 
 
-async def _try(
-    opts: NodeOptions,
-    spec: RunSpec,
-    identity: Path,
-    swarm_key: SwarmKey | None,
-    boot: list[str] | None,
-    known: bool,
-    on_event: Callable[..., None] | None,
-) -> Reached:
+@dataclass(frozen=True)
+class _Plan:
+    """What every try of one start uses (:func:`reach`'s arguments)."""
+
+    opts: NodeOptions
+    spec: RunSpec
+    identity: Path
+    swarm_key: SwarmKey | None
+    boot: list[str] | None
+    known: bool
+    on_event: Callable[..., None] | None
+
+
+async def _try(plan: _Plan) -> Reached:
     """One try. Whatever ends it early (an error, a cancel) stops every p2pd it started first."""
+    opts, spec, identity, boot = plan.opts, plan.spec, plan.identity, plan.boot
     started: list[P2P] = []
     _STARTED.set(started)  # this task's own context (and the tasks it starts): what _note_new_p2p fills
     _note_new_p2p()
     try:
-        p2p = await start_p2p(opts, identity, boot, on_event)
+        p2p = await start_p2p(opts, identity, boot, plan.on_event)
         record = leftovers.record(p2p)
         me = p2p.peer_id.to_base58()
-        validator = SwarmValidator(load_identity(identity), swarm_key=swarm_key, clock=dht_clock.now)
+        validator = SwarmValidator(load_identity(identity), swarm_key=plan.swarm_key, clock=dht_clock.now)
         if validator.peer_id != me:
             raise ConfigError(f"the identity {identity} is not the key p2pd runs with")
         for peer in peer_ids_of(opts.initial_peers):
             validator.trust(peer)
-        if known:
+        if plan.known:
             validator.set_run(spec.hash()[:16], spec.network.heartbeat_ttl_s)
         maddrs = await p2p.get_visible_maddrs()
         dht = await create_dht(p2p, boot, validator)

@@ -226,6 +226,7 @@ class Host:
                 shaper=shaper,
             )
             await hello.serve(self.p2p, self.run_id, self._sighted)
+            await hello.serve_seen(self.p2p, self.run_id, self.since, lambda peer: self.authorize(peer, "announced"))
             self.metrics = Metrics(self.opts.metrics_port, self.me, host=self.opts.metrics_host)
         except BaseException as e:
             await self.__aexit__(type(e), e, e.__traceback__)
@@ -497,6 +498,17 @@ class Host:
     def since(self) -> dict[str, int]:
         """Per peer seen alive, our round when we first saw it: no peer is admitted before (``members_for_round``)."""
         return self.sightings.since()
+
+    async def ages(self) -> dict[str, int]:
+        """Per peer, the earliest round that we or one of the user's ``--initial-peers`` first saw it alive in
+        (``hello.ask_seen``; each asked once, in parallel, ``hello.ASK_TIMEOUT_S`` at most): a state donor's
+        observed age. A joiner's own sightings are seconds old; its trusted peers' may be hours old."""
+        out = self.since()
+        asks = [p for p in self.trusted if p != self.me and p in self.beats]  # seen alive: a dead one costs no wait
+        for view in await asyncio.gather(*(hello.ask_seen(self.p2p, self.run_id, p) for p in asks)):
+            for peer, first in (view or {}).items():
+                out[peer] = min(first, out.get(peer, first))
+        return out
 
     def observed_round_s(self, peer: str) -> float | None:
         """A peer's seconds per round as we saw its round counter move (None before it moved twice): the

@@ -188,14 +188,15 @@ class Presence:
 
     async def download(
         self,
-        donors_of: Callable[[list[Heartbeat], Mapping[str, str]], list[str]],
+        donors_of: Callable[[list[Heartbeat], Mapping[str, str], Mapping[str, int]], list[str]],
         expected: Mapping[str, tuple[int, ...]],
         load: Callable[[dict[str, Any]], None],
         judge: Judge | None = None,
         **event: Any,
     ) -> Synced | None:
-        """The swarm's state, from the peers ``donors_of(beats, groups)`` picks in a fresh heartbeat read (ours
-        excluded; ``groups``: each connected peer's ``membership.netgroup``, for donors of many groups), loaded
+        """The swarm's state, from the peers ``donors_of(beats, groups, ages)`` picks in a fresh heartbeat read (ours
+        excluded; ``groups``: each connected peer's ``membership.netgroup``, for donors of many groups; ``ages``:
+        ``Host.ages``, the round each peer was first seen alive in by us or a trusted peer), loaded
         with ``load`` in the compute thread; up to STATE_ATTEMPTS whole downloads, STATE_RETRY_S apart. None when
         none succeeded (a ``sync_failed`` event; the driver goes on from its own weights). ``judge``: the driver's
         check of each candidate state (state_sync's rule 6). ``event``: extra fields of the ``synced`` /
@@ -212,7 +213,7 @@ class Presence:
                 if host.stop.is_set():
                     break
             beats = [b for b in await host.read_beats() if b.peer != host.me]
-            donors = donors_of(beats, await host.netgroups())
+            donors = donors_of(beats, await host.netgroups(), await host.ages())
             got = await unless_stopped(host, host.fetch_state(donors, expected, judge)) if donors else None
             if got is not None or host.stop.is_set():
                 break

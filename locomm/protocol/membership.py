@@ -441,9 +441,11 @@ def state_donors(
     trust, which minted identities claiming the top round cannot push out of the list); then one peer of each
     network group before a second of any (``groups``: peer -> :func:`netgroup` of its live connections; a peer
     not in it is in ``"?"``), so identities minted behind one address fill one donor slot while other groups
-    have peers to ask; within that, nearest to ``top``, further along first, then the one we have seen alive
-    longest (``since``: our round when we first saw it, as ``Host.since``; a peer not in it counts as seen
-    last). ``progress``: a heartbeat's round (data-parallel) or data clock (a pipeline stage)."""
+    have peers to ask; within that, the peers within ``slack`` of ``top`` before the others, and among them
+    the one seen alive longest first (``since``: the round it was first seen alive in, by us or a peer we
+    trust: ``Host.ages``; a peer not in it counts as seen last), so identities minted recently stand behind
+    peers that have trained for long, whatever round they claim; then nearest to ``top``, further along first.
+    ``progress``: a heartbeat's round (data-parallel) or data clock (a pipeline stage)."""
     near = [
         b
         for b in beats
@@ -454,7 +456,15 @@ def state_donors(
         and progress(b) <= top + slack
     ]
     seen = since or {}
-    base = sorted(near, key=lambda b: (abs(progress(b) - top), -progress(b), seen.get(b.peer, MAX_ROUND)))
+    base = sorted(
+        near,
+        key=lambda b: (
+            abs(progress(b) - top) > slack,
+            seen.get(b.peer, MAX_ROUND),
+            abs(progress(b) - top),
+            -progress(b),
+        ),
+    )
     taken: dict[str, int] = {}
     rank: dict[str, int] = {}
     for b in base:  # a peer's place within its group: 0 for the best of each group

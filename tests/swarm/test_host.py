@@ -160,6 +160,35 @@ async def test_a_restart_that_remembers_peers_waits_past_a_first_joins_tries_for
     assert len(tries) > peer_cache.BOOT_ATTEMPTS  # a first join would have said "cannot reach the swarm"
 
 
+async def test_a_joiner_learns_how_long_its_trusted_peer_has_seen_each_peer_alive():
+    """``Host.ages``: a joiner has seen every peer alive for seconds; its ``--initial-peers`` may have seen them for
+    hours. It asks them (``hello.ask_seen``) and takes, per peer, the earliest round anyone it trusts first saw it
+    alive in: what orders its state donors (``membership.state_donors``)."""
+    async with Host(_spec(), NodeOptions()) as a:
+        a.heartbeat = lambda: Heartbeat(peer=a.me, round=9, version="t", started=True)
+        a.start_heartbeats()
+        a.sightings.saw("QmOldPeer", time.monotonic(), 2)  # seen since its round 2 ...
+        a.sightings.saw("QmNewPeer", time.monotonic(), 9)  # ... and one seen just now
+        opts = NodeOptions(initial_peers=(str(a.maddrs[0]),))
+        async with Host(_spec(), opts) as b:
+            for _ in range(100):
+                if a.me in b.beats:  # read, and seen alive
+                    break
+                await asyncio.sleep(0.1)
+                await b.read_beats()
+            assert a.me in b.trusted and a.me in b.beats
+            assert await b.ages() == {}  # b has no heartbeat: to a it is an outsider, and gets nothing
+            b.heartbeat = lambda: Heartbeat(peer=b.me, round=0, version="t")
+            await b.publish()
+            for _ in range(20):  # a's read of b's record: at most one per 0.5 s (``Host.recheck``)
+                if got := await b.ages():
+                    break
+                await asyncio.sleep(0.25)
+            assert {k: got.get(k) for k in ("QmOldPeer", "QmNewPeer")} == {"QmOldPeer": 2, "QmNewPeer": 9}
+            b.sightings.saw("QmNewPeer", time.monotonic(), 5)  # its own, earlier: the earliest counts
+            assert (await b.ages())["QmNewPeer"] == 5
+
+
 def _p2pd_children() -> set[int]:
     """The p2pd processes this test process started (Linux /proc)."""
     import os

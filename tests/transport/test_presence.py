@@ -52,6 +52,9 @@ class FakeHost:
         self.group_reads += 1
         return {"d0": f"ip4:10.{self.group_reads}.0.0/16"}
 
+    async def ages(self) -> dict[str, int]:
+        return {"d0": self.group_reads}
+
     def refresh_soon(self) -> None:
         pass
 
@@ -147,8 +150,9 @@ async def test_a_download_asks_fresh_donors_each_attempt_then_gives_up():
 
     seen_groups = []
 
-    def donors(beats: list[Heartbeat], groups: dict[str, str]) -> list[str]:
+    def donors(beats: list[Heartbeat], groups: dict[str, str], ages: dict[str, int]) -> list[str]:
         seen_groups.append(groups["d0"])
+        assert ages == {"d0": len(seen_groups)}  # the trusted peers' view, asked anew too
         return [f"d{next(reads)}"]
 
     got = await presence.download(donors, {}, lambda t: None)
@@ -168,7 +172,7 @@ async def test_a_download_that_succeeds_loads_what_it_got():
     async def judge(tensors: Any) -> str | None:
         return None
 
-    got = await presence.download(lambda beats, groups: ["a", "b"], {}, loaded.append, judge, stage=2)
+    got = await presence.download(lambda beats, groups, ages: ["a", "b"], {}, loaded.append, judge, stage=2)
     assert got is synced and loaded == [{"w": 1}] and len(host.fetches) == 2
     assert host.judges == [judge, judge]  # the driver's check goes with every attempt
     assert host.events.log[-1] == (
@@ -254,7 +258,7 @@ def test_a_stop_ends_a_state_download_at_once():
         host.fetch_state = slow  # type: ignore[method-assign]
         loop.call_later(5.0, host.stop.set)
         t0 = loop.time()
-        assert await presence.download(lambda beats, groups: ["d0"], {}, lambda t: None) is None
+        assert await presence.download(lambda beats, groups, ages: ["d0"], {}, lambda t: None) is None
         assert loop.time() - t0 == pytest.approx(5.0)
         assert host.events.log == [] and host.slept == []
 
@@ -275,7 +279,7 @@ def test_a_download_cancelled_from_outside_takes_its_fetch_with_it():
             await asyncio.sleep(600.0)
 
         host.fetch_state = slow  # type: ignore[method-assign]
-        outer = asyncio.ensure_future(presence.download(lambda beats, groups: ["d0"], {}, lambda t: None))
+        outer = asyncio.ensure_future(presence.download(lambda beats, groups, ages: ["d0"], {}, lambda t: None))
         await asyncio.sleep(5.0)
         outer.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -177,6 +177,25 @@ def test_donors_come_one_per_network_group_before_a_second_of_any():
     assert state_donors(honest, 11, lambda b: b.round, since=since) == ["h1", "h0", "h2", "h3"]
 
 
+def test_identities_minted_recently_stand_behind_peers_seen_alive_for_long_whatever_round_they_claim():
+    """Identities in as many network groups as the honest peers (a provider's addresses) claim the top round; the
+    honest peers are a round behind. Ordered by claimed round they were every donor; with the round each was first
+    seen alive in (``Host.ages``: ours, or the trusted peers'), the peers seen for long come first, and an
+    identity nobody has seen counts as seen last. A peer far behind the top is still asked after those near it."""
+    from locomm.protocol.membership import state_donors
+
+    def beat(peer: str, r: int) -> Heartbeat:
+        return Heartbeat(peer=peer, round=r, started=True)
+
+    beats = [beat(f"s{i}", 12) for i in range(6)] + [beat(f"h{i}", 11) for i in range(4)] + [beat("old", 2)]
+    groups = {b.peer: f"ip4:10.{i}.0.0/16" for i, b in enumerate(beats)}  # every identity a group of its own
+    assert state_donors(beats, 12, lambda b: b.round, groups=groups) == ["s0", "s1", "s2", "s3", "s4"]
+    since = {"h0": 1, "h1": 4, "h2": 2, "h3": 7, "s5": 11, "old": 0}
+    got = state_donors(beats, 12, lambda b: b.round, groups=groups, since=since)
+    assert got == ["h0", "h2", "h1", "h3", "s5"]  # seen first, first; the unseen minted ones after every seen one
+    assert state_donors(beats, 12, lambda b: b.round, groups=groups, since=since, n=12)[-1] == "old"  # far behind
+
+
 def test_a_heartbeat_from_the_future_does_not_keep_a_peer_fresh():
     """A heartbeat's ``time`` is its writer's to choose: one far in the reader's future kept a dead (or minted)
     peer a member for the record's whole life. Within MAX_CLOCK_SKEW_S it is a clock, past it a lie."""

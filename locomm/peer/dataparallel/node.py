@@ -304,8 +304,8 @@ class Node:
             self.phase = "syncing"
             expected = expected_layout(state_tensors(self.algo.phi, self.algo))  # what _snapshot serves
             await self.presence.download(
-                lambda bs, groups: state_donors(
-                    bs, swarm_round(bs), _round, prefer=host.trusted, groups=groups, since=host.since()
+                lambda bs, groups, ages: state_donors(
+                    bs, swarm_round(bs), _round, prefer=host.trusted, groups=groups, since=ages
                 ),
                 expected,
                 self.load_state,

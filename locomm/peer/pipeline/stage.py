@@ -303,10 +303,10 @@ class Stage:
         if not wanted:
             return  # nobody has trained yet, or our own state is as new as theirs
 
-        def donors(beats: list[Heartbeat], groups: Mapping[str, str]) -> list[str]:
+        def donors(beats: list[Heartbeat], groups: Mapping[str, str], ages: Mapping[str, int]) -> list[str]:
             sib = self._siblings(beats)
             top = robust_top((_clock(b) for b in sib), slack=H)
-            return state_donors(sib, top, _clock, slack=H, prefer=host.trusted, groups=groups, since=host.since())
+            return state_donors(sib, top, _clock, slack=H, prefer=host.trusted, groups=groups, since=ages)
 
         expected = expected_layout(state_tensors(self.params(), self.algo))
         got = await self.presence.download(donors, expected, self._load_state, stage=self.stage)

@@ -226,7 +226,7 @@ class Host:
                 shaper=shaper,
             )
             await hello.serve(self.p2p, self.run_id, self._sighted)
-            await hello.serve_seen(self.p2p, self.run_id, self.since, lambda peer: self.authorize(peer, "announced"))
+            await hello.serve_seen(self.p2p, self.run_id, self.sightings.ages, lambda p: self.authorize(p, "announced"))
             self.metrics = Metrics(self.opts.metrics_port, self.me, host=self.opts.metrics_host)
         except BaseException as e:
             await self.__aexit__(type(e), e, e.__traceback__)
@@ -503,7 +503,7 @@ class Host:
         """Per peer, the earliest round that we or one of the user's ``--initial-peers`` first saw it alive in
         (``hello.ask_seen``; each asked once, in parallel, ``hello.ASK_TIMEOUT_S`` at most): a state donor's
         observed age. A joiner's own sightings are seconds old; its trusted peers' may be hours old."""
-        out = self.since()
+        out = self.sightings.ages()
         asks = [p for p in self.trusted if p != self.me and p in self.beats]  # seen alive: a dead one costs no wait
         for view in await asyncio.gather(*(hello.ask_seen(self.p2p, self.run_id, p) for p in asks)):
             for peer, first in (view or {}).items():

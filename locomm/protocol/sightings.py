@@ -47,6 +47,8 @@ class Sightings:
 
     def __init__(self) -> None:
         self._seen: dict[str, _Seen] = {}
+        self.first_round: int | None = None
+        """The earliest round of ours a sighting was noted in (None before we had a round)."""
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -61,6 +63,8 @@ class Sightings:
         s = self._entry(peer, now)
         if s is None:
             return
+        if round_now is not None and (self.first_round is None or round_now < self.first_round):
+            self.first_round = round_now
         if s.last < now - ALIVE_S:  # first seen, or seen again after a gap: a member from now on
             s.since = round_now
         s.last, s.backoff = now, 0.0
@@ -99,6 +103,17 @@ class Sightings:
     def since(self) -> dict[str, int]:
         """Per identity seen alive, our round when we first saw it (those seen before we had a round left out)."""
         return {p: s.since for p, s in self._seen.items() if s.since is not None}
+
+    def ages(self) -> dict[str, int]:
+        """Per identity seen alive, the round it was first seen alive in, as far as we can tell: :meth:`since`, and
+        for those seen before we had a round our earliest round (they were alive before every later sighting).
+        What we tell a joiner that trusts us (``hello.serve_seen``); identities never seen alive are not in it."""
+        out = {}
+        for p, s in self._seen.items():
+            first = s.since if s.since is not None else self.first_round
+            if first is not None and s.last > -float("inf"):
+                out[p] = first
+        return out
 
     def keep(self, peers: Iterable[str], now: float) -> None:
         """Forget identities outside ``peers`` (whose heartbeats we no longer read) once their sighting has ended:

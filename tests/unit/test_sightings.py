@@ -80,3 +80,18 @@ def test_an_identity_is_known_once_asked_or_seen():
     assert "a" not in s
     s.asking("a", 0.0, 10.0)
     assert "a" in s and not s.alive("a", 0.0)
+
+
+def test_what_a_peer_tells_a_joiner_of_ages_counts_peers_seen_before_it_had_a_round_as_old_and_ghosts_not_at_all():
+    """``Sightings.ages`` (served to joiners that trust us): peers seen before we had a round were alive before every
+    later sighting, so they get our earliest round, not "seen last"; an identity that never answered is left out."""
+    s = Sightings()
+    s.saw("founder", 1.0, None)  # seen before we had a round
+    s.asking("ghost", 1.0, 10.0)
+    s.missed("ghost", 11.0)
+    assert s.ages() == {} and s.first_round is None
+    s.saw("later", 100.0, 7)
+    s.saw("founder", 120.0, 8)  # seen again: still the one first seen
+    assert s.ages() == {"founder": 7, "later": 7} and s.since() == {"later": 7}
+    s.saw("minted", 130.0, 40)
+    assert s.ages()["minted"] == 40 and "ghost" not in s.ages()

@@ -481,7 +481,7 @@ def test_unauthorized_sender_is_refused_not_a_fault(pool):
 def test_banned_sender_is_refused_before_its_body_is_read(pool):
     async def body():
         h = Harness(pool)
-        h.faults.banned.add(SENDER)
+        h.faults.ban(SENDER)
         ans = await h.request(push_frame(h.codec) + body_bytes(h.codec, make_payload(h.codec)))
         assert status(ans) == ErrorCode.BANNED
         assert h.fault_log == [] and h.gossip.stats.bytes_received == 0 and not h.gossip.mailbox.get(0)
@@ -971,3 +971,33 @@ def test_our_payloads_encodes_wait_behind_a_few_decodes_not_every_part_our_partn
         assert len(started) == 20 + len(out.parts)
 
     asyncio.run(body())
+
+
+def test_a_ban_ends_and_each_later_one_lasts_twice_as_long():
+    """A ban is for a while, not for good (chaos seed 15: two honest peers whose links were faulted were banned
+    as promise breakers and never exchanged with again). The faults since the last ban count toward the next."""
+    from locomm.peer.transport.transfers import BAN_MAX_S
+
+    now = [0.0]
+    f = Faults(3, clock=lambda: now[0], ban_s=100.0)
+    for _ in range(3):
+        f.record("QmP", "broke a promise")
+    assert f.banned == {"QmP"} and f.count["QmP"] == 3
+    now[0] = 99.9
+    assert "QmP" in f.banned
+    now[0] = 100.0
+    assert not f.banned  # lifted
+    f.record("QmP", "again")
+    f.record("QmP", "again")
+    assert not f.banned  # 2 faults since the ban: not yet
+    f.record("QmP", "again")
+    assert f.banned == {"QmP"} and f.bans["QmP"] == 2
+    now[0] = 100.0 + 199.9
+    assert f.banned == {"QmP"}  # twice as long
+    now[0] = 300.0
+    assert not f.banned and f.total == 6
+    for _ in range(40 * 3):
+        f.record("QmP", "liar")
+        now[0] += 1.0
+    span = f._until["QmP"] - now[0] + 1.0
+    assert span <= BAN_MAX_S  # doubling stops at a day

@@ -221,7 +221,7 @@ class Host:
                 self.limits,
                 self.codec_pool,
                 authorize=self.authorize,
-                is_banned=lambda peer: peer in self.faults.banned,
+                is_banned=self.faults.is_banned,
                 on_fault=self.faults.record,
                 shaper=shaper,
             )
@@ -505,10 +505,19 @@ class Host:
         observed age. A joiner's own sightings are seconds old; its trusted peers' may be hours old."""
         out = self.sightings.ages()
         asks = [p for p in self.trusted if p != self.me and p in self.beats]  # seen alive: a dead one costs no wait
-        for view in await asyncio.gather(*(hello.ask_seen(self.p2p, self.run_id, p) for p in asks)):
+        for view in await asyncio.gather(*(self._ask_seen(p) for p in asks)):
             for peer, first in (view or {}).items():
                 out[peer] = min(first, out.get(peer, first))
         return out
+
+    async def _ask_seen(self, peer: str) -> dict[str, int] | None:
+        """``hello.ask_seen``, once more a second later if refused: a joiner that has just stored its heartbeat
+        is not yet among the records a peer read (``recheck`` reads again at most every 0.5 s)."""
+        view = await hello.ask_seen(self.p2p, self.run_id, peer)
+        if view is None:
+            await self.sleep(1.0)
+            view = await hello.ask_seen(self.p2p, self.run_id, peer)
+        return view
 
     def observed_round_s(self, peer: str) -> float | None:
         """A peer's seconds per round as we saw its round counter move (None before it moved twice): the

@@ -213,7 +213,10 @@ class Presence:
                 if host.stop.is_set():
                     break
             beats = [b for b in await host.read_beats() if b.peer != host.me]
-            donors = donors_of(beats, await host.netgroups(), await host.ages())
+            ages = await unless_stopped(host, host.ages())  # asks the trusted peers: 21 s at most
+            if host.stop.is_set():
+                break
+            donors = donors_of(beats, await host.netgroups(), ages or {})
             got = await unless_stopped(host, host.fetch_state(donors, expected, judge)) if donors else None
             if got is not None or host.stop.is_set():
                 break

@@ -422,6 +422,12 @@ def netgroup(addrs: Iterable[str]) -> str:
     return "?"
 
 
+DONOR_MIN_AGE_ROUNDS = 3
+"""A state donor first seen alive (by the joiner or its ``--initial-peers``) this many rounds ago or more is asked
+before one seen since (``state_donors(young_after=)``). Few enough that a swarm of peers that joined an hour ago
+is all old; enough that identities minted this minute are young."""
+
+
 def state_donors(
     beats: Iterable[Heartbeat],
     top: int,
@@ -432,6 +438,7 @@ def state_donors(
     prefer: Collection[str] = (),
     groups: Mapping[str, str] | None = None,
     since: Mapping[str, int] | None = None,
+    young_after: int | None = None,
 ) -> list[str]:
     """Whom a joiner asks for state, for every driver: live admitted peers that have started (not leaving, not
     paused, not an island follower, which serves no fresh state), none further along than ``slack`` past ``top``
@@ -442,10 +449,13 @@ def state_donors(
     network group before a second of any (``groups``: peer -> :func:`netgroup` of its live connections; a peer
     not in it is in ``"?"``), so identities minted behind one address fill one donor slot while other groups
     have peers to ask; within that, the peers within ``slack`` of ``top`` before the others, and among them
-    the one seen alive longest first (``since``: the round it was first seen alive in, by us or a peer we
-    trust: ``Host.ages``; a peer not in it counts as seen last), so identities minted recently stand behind
-    peers that have trained for long, whatever round they claim; then nearest to ``top``, further along first.
-    ``progress``: a heartbeat's round (data-parallel) or data clock (a pipeline stage)."""
+    the old before the young: a peer is young when it was first seen alive after round ``young_after``
+    (``since``: that round, by us or a peer we trust: ``Host.ages``; a peer nobody we trust has seen is young),
+    so identities minted in the last few rounds stand behind peers that have trained for longer, whatever
+    round they claim; then nearest to ``top``, further along first, then the one seen alive longest.
+    ``progress``: a heartbeat's round (data-parallel) or data clock (a pipeline stage); ``since`` and
+    ``young_after`` are rounds. Callers pass ``young_after`` as the swarm's round less
+    ``DONOR_MIN_AGE_ROUNDS``."""
     near = [
         b
         for b in beats
@@ -456,15 +466,13 @@ def state_donors(
         and progress(b) <= top + slack
     ]
     seen = since or {}
-    base = sorted(
-        near,
-        key=lambda b: (
-            abs(progress(b) - top) > slack,
-            seen.get(b.peer, MAX_ROUND),
-            abs(progress(b) - top),
-            -progress(b),
-        ),
-    )
+
+    def key(b: Heartbeat) -> tuple[bool, bool, int, int, int]:
+        far = abs(progress(b) - top) > slack
+        young = young_after is not None and not far and seen.get(b.peer, MAX_ROUND) > young_after
+        return far, young, abs(progress(b) - top), -progress(b), seen.get(b.peer, MAX_ROUND)
+
+    base = sorted(near, key=key)
     taken: dict[str, int] = {}
     rank: dict[str, int] = {}
     for b in base:  # a peer's place within its group: 0 for the best of each group

@@ -24,6 +24,7 @@ def test_a_seen_answer_is_checked_before_it_is_believed():
         json.dumps({"x" * (hello.MAX_ID_CHARS + 1): 1}).encode(),
         json.dumps(too_many).encode(),
         b" " * (hello.SEEN_MAX_BYTES + 1),
+        b"[" * 60_000,  # nested past Python's stack
     ]
     for data in bad:
         assert hello.parse_seen(data) is None, data[:40]

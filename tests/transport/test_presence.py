@@ -53,7 +53,8 @@ class FakeHost:
         return {"d0": f"ip4:10.{self.group_reads}.0.0/16"}
 
     async def ages(self) -> dict[str, int]:
-        return {"d0": self.group_reads}
+        self.age_reads = getattr(self, "age_reads", 0) + 1
+        return {"d0": self.age_reads}
 
     def refresh_soon(self) -> None:
         pass

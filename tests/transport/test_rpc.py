@@ -1001,3 +1001,8 @@ def test_a_ban_ends_and_each_later_one_lasts_twice_as_long():
         now[0] += 1.0
     span = f._until["QmP"] - now[0] + 1.0
     assert span <= BAN_MAX_S  # doubling stops at a day
+    now[0] += 2 * BAN_MAX_S  # a day with no ban: the next one is short again
+    assert not f.is_banned("QmP")
+    for _ in range(3):
+        f.record("QmP", "flaky")
+    assert f.is_banned("QmP") and f._until["QmP"] - now[0] == 100.0

@@ -191,9 +191,16 @@ def test_identities_minted_recently_stand_behind_peers_seen_alive_for_long_whate
     groups = {b.peer: f"ip4:10.{i}.0.0/16" for i, b in enumerate(beats)}  # every identity a group of its own
     assert state_donors(beats, 12, lambda b: b.round, groups=groups) == ["s0", "s1", "s2", "s3", "s4"]
     since = {"h0": 1, "h1": 4, "h2": 2, "h3": 7, "s5": 11, "old": 0}
-    got = state_donors(beats, 12, lambda b: b.round, groups=groups, since=since)
-    assert got == ["h0", "h2", "h1", "h3", "s5"]  # seen first, first; the unseen minted ones after every seen one
-    assert state_donors(beats, 12, lambda b: b.round, groups=groups, since=since, n=12)[-1] == "old"  # far behind
+    got = state_donors(beats, 12, lambda b: b.round, groups=groups, since=since, young_after=12 - 3)
+    assert got == ["h0", "h2", "h1", "h3", "s5"]  # the old first; the young (seen in the last 3 rounds, or never) after
+    assert state_donors(beats, 12, lambda b: b.round, groups=groups, since=since, young_after=9, n=12)[-1] == "old"
+    # among the old, nearest the top first (a stale majority one round behind does not win by age alone); among
+    # those far behind, age does not count: the nearest represents its group
+    beats = [beat("a", 12), beat("b", 11), beat("c", 12), beat("far_old", 0), beat("far_near", 8)]
+    since = {"a": 5, "b": 1, "c": 6, "far_old": 0, "far_near": 4}
+    groups = {"a": "ga", "b": "gb", "c": "gc", "far_old": "g", "far_near": "g"}
+    got = state_donors(beats, 12, lambda b: b.round, since=since, young_after=9, groups=groups)
+    assert got == ["a", "c", "b", "far_near", "far_old"]
 
 
 def test_a_heartbeat_from_the_future_does_not_keep_a_peer_fresh():

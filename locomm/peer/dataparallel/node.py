@@ -47,6 +47,7 @@ from locomm.peer.transport.state_sync import (
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
 from locomm.protocol.membership import (
+    DONOR_MIN_AGE_ROUNDS,
     NOT_ADMITTED,
     Heartbeat,
     islands_led,
@@ -305,7 +306,13 @@ class Node:
             expected = expected_layout(state_tensors(self.algo.phi, self.algo))  # what _snapshot serves
             await self.presence.download(
                 lambda bs, groups, ages: state_donors(
-                    bs, swarm_round(bs), _round, prefer=host.trusted, groups=groups, since=ages
+                    bs,
+                    swarm_round(bs),
+                    _round,
+                    prefer=host.trusted,
+                    groups=groups,
+                    since=ages,
+                    young_after=swarm_round(bs) - DONOR_MIN_AGE_ROUNDS,
                 ),
                 expected,
                 self.load_state,

@@ -47,7 +47,15 @@ from locomm.peer.transport.state_sync import (
 )
 from locomm.protocol import build_outer
 from locomm.protocol import rounds as schedule
-from locomm.protocol.membership import Heartbeat, live, members_for_round, pick_stage, robust_top, state_donors
+from locomm.protocol.membership import (
+    DONOR_MIN_AGE_ROUNDS,
+    Heartbeat,
+    live,
+    members_for_round,
+    pick_stage,
+    robust_top,
+    state_donors,
+)
 from locomm.protocol.timing import sibling_wait_s
 from locomm.train.stage import StageWorker, eval_mid
 
@@ -306,7 +314,10 @@ class Stage:
         def donors(beats: list[Heartbeat], groups: Mapping[str, str], ages: Mapping[str, int]) -> list[str]:
             sib = self._siblings(beats)
             top = robust_top((_clock(b) for b in sib), slack=H)
-            return state_donors(sib, top, _clock, slack=H, prefer=host.trusted, groups=groups, since=ages)
+            young = top // H - DONOR_MIN_AGE_ROUNDS  # ``since`` is in heartbeat rounds: data clock // H
+            return state_donors(
+                sib, top, _clock, slack=H, prefer=host.trusted, groups=groups, since=ages, young_after=young
+            )
 
         expected = expected_layout(state_tensors(self.params(), self.algo))
         got = await self.presence.download(donors, expected, self._load_state, stage=self.stage)

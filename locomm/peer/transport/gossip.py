@@ -171,7 +171,7 @@ class Gossip:
         return waiting + sum(not i.pulled for i in self.incoming.values())
 
     @property
-    def banned(self) -> set[str]:
+    def banned(self) -> frozenset[str]:
         return self.faults.banned
 
     def service(self) -> Service:
@@ -461,7 +461,7 @@ class Gossip:
 
         ``eta(peer)`` is the time (in ``self.clock``'s terms) by which the partner's payload should have arrived.
         """
-        peers = [p for p in peers if p not in self.banned and p != self.me]
+        peers = [p for p in peers if not self.faults.is_banned(p) and p != self.me]
         self.set_partners(len(peers))
         if not peers:
             return {}

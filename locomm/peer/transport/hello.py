@@ -90,8 +90,9 @@ async def serve_seen(
                 return
             first = sorted(view().items(), key=lambda kv: kv[1])[:SEEN_MAX]
             writer.write(json.dumps(dict(first), separators=(",", ":")).encode())
-            await writer.drain()
-        except (ConnectionError, OSError):
+            async with asyncio.timeout(ASK_TIMEOUT_S):  # a reader that never reads does not hold the stream
+                await writer.drain()
+        except (ConnectionError, OSError, TimeoutError):
             pass
         finally:
             writer.close()
@@ -105,7 +106,7 @@ def parse_seen(data: bytes) -> dict[str, int] | None:
         return None
     try:
         view = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: "[[[[..." nested past the stack
         return None
     if not isinstance(view, dict) or len(view) > SEEN_MAX:
         return None

@@ -77,6 +77,7 @@ class Faults:
         self.ban_s = ban_s
         self._strikes: dict[str, int] = defaultdict(int)
         self._until: dict[str, float] = {}
+        self._began: dict[str, list[float]] = {}
 
     @property
     def total(self) -> int:
@@ -92,19 +93,27 @@ class Faults:
                 log.info("the ban of %s ended (%d so far)", peer[-8:], self.bans[peer])
         return frozenset(self._until)
 
+    def is_banned(self, peer: str) -> bool:
+        """Whether ``peer`` is banned now (one lookup: asked for every stream)."""
+        until = self._until.get(peer)
+        return until is not None and until > self.clock()
+
     def ban(self, peer: str) -> None:
-        """Ban ``peer`` now: ``ban_s`` the first time, twice as long each time after, ``BAN_MAX_S`` at most."""
+        """Ban ``peer`` now: ``ban_s`` the first time, twice as long for each other ban of it that began in the
+        last ``BAN_MAX_S`` (so a flaky honest peer's bans shrink back), ``BAN_MAX_S`` at most."""
+        now = self.clock()
         self.bans[peer] += 1
+        recent = self._began[peer] = [t for t in self._began.get(peer, []) if t > now - BAN_MAX_S] + [now]
         self._strikes[peer] = 0
-        span = min(BAN_MAX_S, self.ban_s * 2.0 ** min(self.bans[peer] - 1, 32))
-        self._until[peer] = self.clock() + span
+        span = min(BAN_MAX_S, self.ban_s * 2.0 ** min(len(recent) - 1, 32))
+        self._until[peer] = now + span
         log.warning("banned %s for %.0f s after %d faults", peer[-8:], span, self.count[peer])
 
     def record(self, peer: str, why: str) -> None:
         self.count[peer] += 1
         self._strikes[peer] += 1
         log.warning("fault from %s (%d): %s", peer[-8:], self.count[peer], why)
-        if self._strikes[peer] >= self.max_faults and peer not in self.banned:
+        if self._strikes[peer] >= self.max_faults and not self.is_banned(peer):
             self.ban(peer)
 
 

@@ -18,13 +18,14 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from hivemind.p2p import P2P, PeerID
 
 ASK_TIMEOUT_S = 10.0
 """A hello unanswered by then is a miss (a dial through a relay on a slow link takes a few seconds)."""
 ANSWER = b"\x01"
+T = TypeVar("T")
 SEEN_MAX = 512
 """Identities one ``seen`` answer names at most (those seen first): a donor list needs a handful."""
 SEEN_MAX_BYTES = 64 * 1024
@@ -55,15 +56,26 @@ async def serve(p2p: P2P, run_id: str, on_sight: Callable[[str], None]) -> None:
 
 async def ask(p2p: P2P, run_id: str, peer: str, timeout_s: float = ASK_TIMEOUT_S) -> bool:
     """Whether ``peer`` answered a hello within ``timeout_s`` (a ghost, an unreachable or a dead peer: False)."""
+
+    async def answered(reader: asyncio.StreamReader) -> bool:
+        return await reader.readexactly(1) == ANSWER
+
+    return bool(await _call(p2p, peer, handler_name(run_id), timeout_s, answered))
+
+
+async def _call(
+    p2p: P2P, peer: str, name: str, timeout_s: float, read: Callable[[asyncio.StreamReader], Awaitable[T]]
+) -> T | None:
+    """Open ``name`` to ``peer`` and ``read`` its answer, all within ``timeout_s``; None when anything fails."""
     writer = None
     try:
         async with asyncio.timeout(timeout_s):
-            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler_name(run_id))
-            return await reader.readexactly(1) == ANSWER
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
+            return await read(reader)
     except asyncio.CancelledError:
         raise
     except (Exception, TimeoutError):  # noqa: BLE001 - p2pd reports dial failures in several ways
-        return False
+        return None
     finally:
         if writer is not None:
             with contextlib.suppress(Exception):
@@ -119,20 +131,11 @@ def parse_seen(data: bytes) -> dict[str, int] | None:
 
 async def ask_seen(p2p: P2P, run_id: str, peer: str, timeout_s: float = ASK_TIMEOUT_S) -> dict[str, int] | None:
     """``peer``'s sightings (:func:`serve_seen`), or None (no answer within ``timeout_s``, or not a valid one)."""
-    writer = None
-    try:
-        name = seen_handler_name(run_id)
-        async with asyncio.timeout(timeout_s):
-            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
-            data = b""
-            while len(data) <= SEEN_MAX_BYTES and (chunk := await reader.read(SEEN_MAX_BYTES + 1 - len(data))):
-                data += chunk
-            return parse_seen(data)
-    except asyncio.CancelledError:
-        raise
-    except (Exception, TimeoutError):  # noqa: BLE001 - p2pd reports dial failures in several ways
-        return None
-    finally:
-        if writer is not None:
-            with contextlib.suppress(Exception):
-                writer.close()
+
+    async def seen(reader: asyncio.StreamReader) -> dict[str, int] | None:
+        data = b""
+        while len(data) <= SEEN_MAX_BYTES and (chunk := await reader.read(SEEN_MAX_BYTES + 1 - len(data))):
+            data += chunk
+        return parse_seen(data)
+
+    return await _call(p2p, peer, seen_handler_name(run_id), timeout_s, seen)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from locomm.peer.transport import hello
+from locomm.protocol.membership import MAX_ROUND
 
 
 def test_a_seen_answer_is_checked_before_it_is_believed():
@@ -19,7 +20,7 @@ def test_a_seen_answer_is_checked_before_it_is_believed():
         json.dumps({"QmA": -1}).encode(),
         json.dumps({"QmA": True}).encode(),  # a bool is not a round
         json.dumps({"QmA": 1.5}).encode(),
-        json.dumps({"QmA": hello.MAX_ROUND + 1}).encode(),
+        json.dumps({"QmA": MAX_ROUND + 1}).encode(),
         json.dumps({"": 1}).encode(),
         json.dumps({"x" * (hello.MAX_ID_CHARS + 1): 1}).encode(),
         json.dumps(too_many).encode(),

@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 from hivemind.p2p import P2P, PeerID
 
+from locomm.protocol.membership import MAX_ROUND
+
 ASK_TIMEOUT_S = 10.0
 """A hello unanswered by then is a miss (a dial through a relay on a slow link takes a few seconds)."""
 ANSWER = b"\x01"
@@ -31,7 +33,6 @@ SEEN_MAX = 512
 SEEN_MAX_BYTES = 64 * 1024
 """A ``seen`` answer longer than this is refused unread (512 ids of 52 characters with a round: about 32 kB)."""
 MAX_ID_CHARS = 128
-MAX_ROUND = 2**31 - 1
 
 
 def handler_name(run_id: str) -> str:

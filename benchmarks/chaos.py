@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any
 
 from locomm.config import RunSpec
-from locomm.testing import netlab, wallclock
+from locomm.testing import netlab, procs, wallclock
 from locomm.testing.launcher import Launcher, PeerProcess
 
 import _harness
@@ -747,7 +747,7 @@ class Chaos:
     # -- orphans ------------------------------------------------------------------------------
 
     def group_pids(self, pgid: int) -> dict[int, str]:
-        out = {pid: cmd for pid, (g, cmd) in proc_table().items() if g == pgid}
+        out = {pid: procs.cmdline(pid)[:600] for pid, p in procs.table().items() if p.pgid == pgid}
         self.note_sockets(out.values(), pgid)
         return out
 
@@ -760,14 +760,15 @@ class Chaos:
                     self.sockets[arg[len("-listen=/unix/tmp/hivemind-p2pd-") : -len(".sock")]] = name
 
     def scan_sockets(self) -> None:
-        table = proc_table()
+        table = procs.table()
         for inc in self.incs:
             if inc.alive:
-                self.note_sockets([c for g, c in table.values() if g == inc.peer.pid], inc.peer.pid)
+                group = [procs.cmdline(pid) for pid, p in table.items() if p.pgid == inc.peer.pid]
+                self.note_sockets(group, inc.peer.pid)
 
     def check_orphans(self, inc: Inc, before: dict[int, str], rec: dict[str, Any]) -> None:
         left = {p: c for p, c in self.group_pids(inc.peer.pid).items() if p in before and p != inc.peer.pid}
-        left = {p: c for p, c in left.items() if not _zombie(p)}
+        left = {p: c for p, c in left.items() if procs.alive(p)}
         rec["group_left_after_kill"] = len(left)
         if left:
             self.orphans_after_kill.append({"inc": inc.name, "fault": rec["id"], "procs": left})
@@ -908,30 +909,6 @@ def machine_load() -> tuple[float, int]:
         return load, avail // 1024
     except (OSError, ValueError, StopIteration, IndexError):
         return math.nan, -1
-
-
-def proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (process group, command line) of every process."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:600]
-            out[int(d.name)] = (int(fields[2]), cmd)
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2] == "Z"
-    except (OSError, ValueError, IndexError):
-        return True
 
 
 # ------------------------------------------------------------------------------------ analysis
@@ -1308,7 +1285,7 @@ def scan_orphans(tag: str, folder: Path) -> list[dict[str, Any]]:
             cmd = (d / "cmdline").read_bytes()
         except OSError:
             continue
-        if (needle in env.split(b"\0") or fold in cmd) and not _zombie(int(d.name)):
+        if (needle in env.split(b"\0") or fold in cmd) and procs.alive(int(d.name)):
             out.append({"pid": int(d.name), "cmdline": cmd.replace(b"\0", b" ").decode(errors="replace")[:300]})
     return out
 

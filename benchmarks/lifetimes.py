@@ -30,6 +30,8 @@ from typing import Any
 
 from locomm.config import RunSpec
 from locomm.peer.lifeline import marked
+from locomm.testing import procs
+from locomm.testing.procs import cmdline
 
 import _harness
 
@@ -47,54 +49,26 @@ CELLS = {f"{m}-{s}-{t}": (m, s, t) for m in MODES for s, t in EVENTS + UP}
 CELLS["diloco-peer-sigkill"] = ("dp", "peer", 0)
 
 
-def proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, comm) of every live (non-zombie) process."""
-    out = {}
-    for d in os.listdir("/proc"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            head, tail = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)
-            fields = tail.split()
-            if fields[0] not in "ZX":
-                out[int(d)] = (int(fields[1]), head.split("(", 1)[1])
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def kinds(token: str, launcher: int) -> dict[str, int]:
     """The marked processes, by kind."""
-    table = proc_table()
+    table = procs.table()
     pids = [p for p in marked(token, name=MARK) if p in table]
     joins = {p for p in pids if " join " in cmdline(p)}
-    peers = {p for p in joins if table[p][0] not in joins}  # a fork of a peer has the same command line
+    peers = {p for p in joins if table[p].ppid not in joins}  # a fork of a peer has the same command line
     out = {"launcher": 0, "reaper": 0, "peer": 0, "helper": 0, "p2pd": 0, "other": 0}
     for p in pids:
         if p == launcher:
             out["launcher"] += 1
-        elif table[p][1] == "p2pd":
+        elif table[p].comm == "p2pd":
             out["p2pd"] += 1
         elif "locomm.peer.lifeline" in cmdline(p):
             out["reaper"] += 1
         elif p in peers:
             out["peer"] += 1
-        elif table[p][0] in peers:
+        elif table[p].ppid in peers:
             out["helper"] += 1  # a fork of a peer (DiLoCo's hivemind.DHT, DecentralizedAverager)
         else:
             out["other"] += 1
-    return out
-
-
-def descendants(pid: int) -> set[int]:
-    table = proc_table()
-    out, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, (pp, _) in table.items() if pp in frontier} - out
-        out |= frontier
     return out
 
 
@@ -187,19 +161,18 @@ def diloco_peer(token: str, launcher: subprocess.Popen) -> dict[str, Any]:
     """SIGKILL a DiLoCo peer once its forked helpers and both p2pd run; its descendants 15 s later."""
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and launcher.poll() is None:
-        table = proc_table()
-        peers = [
-            p for p in marked(token, name=MARK) if table.get(p, (0,))[0] == launcher.pid and " join " in cmdline(p)
-        ]
+        table = procs.table()
+        ours = [p for p in marked(token, name=MARK) if p in table and table[p].ppid == launcher.pid]
+        peers = [p for p in ours if " join " in cmdline(p)]
         for p in peers:
-            kids = descendants(p)
-            names = [proc_table().get(k, (0, ""))[1] for k in kids]
+            below = procs.descendants(p)
+            kids, names = set(below), [k.comm for k in below.values()]
             if names.count("p2pd") >= 2 and names.count("python") >= 2:  # its own and the DHT's; DHT, averager
                 os.kill(p, signal.SIGKILL)
                 t0 = time.monotonic()
-                while time.monotonic() - t0 < WINDOW_S and kids & set(proc_table()):
+                while time.monotonic() - t0 < WINDOW_S and kids & set(procs.table()):
                     time.sleep(0.2)
-                left = kids & set(proc_table())
+                left = kids & set(procs.table())
                 return {
                     "peer_descendants": sorted(names),
                     "peer_descendants_gone_s": None if left else round(time.monotonic() - t0, 2),

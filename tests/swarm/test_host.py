@@ -190,31 +190,23 @@ async def test_a_joiner_learns_how_long_its_trusted_peer_has_seen_each_peer_aliv
 
 
 def _p2pd_children() -> set[int]:
-    """The p2pd processes this test process started (Linux /proc)."""
+    """The p2pd processes this test process started, zombies included (gone means reaped)."""
     import os
-    from pathlib import Path
 
-    out = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == os.getpid() and "p2pd" in (stat.parent / "cmdline").read_text():
-                out.add(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
+    from locomm.testing import procs
+
+    return {p.pid for p in procs.table(zombies=True).values() if p.ppid == os.getpid() and p.comm == "p2pd"}
 
 
 async def test_a_stop_cuts_a_try_in_flight_and_stops_the_p2pd_it_started(monkeypatch, tmp_path):
     """Ctrl-C while a try is in flight ends it there: the p2pd it started is stopped before the host says Stopped,
     and it does not wait for the try to fail on its own. Before, a signal waited for the try (chaos seed 14's final
     stop: 27.6 s). The initial peer here accepts TCP and never answers: p2pd waits for it about 5 s."""
-    from pathlib import Path
-
     from locomm.peer.transport import reach
     from locomm.peer.transport.reach import Stopped
+    from locomm.testing import procs
 
-    if not Path("/proc/self/stat").exists():
+    if not procs.available():
         pytest.skip("reads child processes from /proc (Linux)")
     held: list = []
     server = await asyncio.start_server(lambda r, w: held.append(w), "127.0.0.1", 0)

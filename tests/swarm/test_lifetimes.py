@@ -26,6 +26,8 @@ import pytest
 
 from locomm.config import RunSpec
 from locomm.peer.lifeline import marked
+from locomm.testing import procs as proctab
+from locomm.testing.procs import cmdline
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,25 +40,12 @@ def small_spec(path: Path) -> Path:
     return path
 
 
-def comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
+def _comm(pid: int) -> str:
+    return p.comm if (p := proctab.stat(pid)) else ""
 
 
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def ppid(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
+def _ppid(pid: int) -> int:
+    return p.ppid if (p := proctab.stat(pid)) else 0
 
 
 def poll(cond: Callable[[], object], timeout_s: float, what: str | Callable[[], str]) -> None:
@@ -90,16 +79,16 @@ class Marked:
     def peers(self) -> list[int]:
         """The `join` processes (not their forks, which share the command line)."""
         joins = [p for p in self.alive() if " join " in cmdline(p)]
-        return [p for p in joins if ppid(p) not in joins]
+        return [p for p in joins if _ppid(p) not in joins]
 
     def p2pd(self) -> list[int]:
-        return [p for p in self.alive() if comm(p) == "p2pd"]
+        return [p for p in self.alive() if _comm(p) == "p2pd"]
 
     def folders(self) -> list[str]:
         return sorted(p.name for p in self.tmp.iterdir() if p.name.startswith("locomm-"))
 
     def describe(self) -> str:
-        return ", ".join(f"{p}:{comm(p)}" for p in self.alive()) or "none"
+        return ", ".join(f"{p}:{_comm(p)}" for p in self.alive()) or "none"
 
     def assert_gone(self, timeout_s: float = 30.0) -> None:
         poll(lambda: not self.alive(), timeout_s, lambda: f"every marked process gone; alive: {self.describe()}")
@@ -137,7 +126,7 @@ def test_sigkilled_peer_then_sigkilled_launcher_mid_start_up_leave_nothing(procs
         assert launcher.poll() is None, (procs.root / "launcher.err").read_text()
         assert procs.folders(), "the swarm folder exists while the launcher runs"
         first = min(procs.peers())
-        daemons = [p for p in procs.p2pd() if ppid(p) == first]
+        daemons = [p for p in procs.p2pd() if _ppid(p) == first]
         assert daemons, f"the first peer runs a p2pd: {procs.describe()}"
         os.kill(first, signal.SIGKILL)
         poll(lambda: not set(daemons) & set(procs.alive()), 15, f"the first peer's p2pd {daemons} is gone")
@@ -189,7 +178,7 @@ def test_ctrl_c_to_a_peers_process_group_reaches_the_peer_alone_which_says_goodb
         b = launcher.start("b", "--wait-for-peers", "2", "--shard", "1/2", config=cfg, initial_peers=a.address())
         wait_until(lambda: a.round() >= 3 and b.round() >= 3, 120, "two peers train", [a, b])
         for p in (a, b):
-            (daemon,) = [d for d in procs.p2pd() if ppid(d) == p.proc.pid]
+            (daemon,) = [d for d in procs.p2pd() if _ppid(d) == p.proc.pid]
             assert os.getpgid(daemon) == daemon != os.getpgid(p.proc.pid), (daemon, p.proc.pid)
         b.send_signal(signal.SIGINT, group=True)  # what the terminal does: the peer's whole group
         assert b.wait(10) == 0, b.tail()  # before SIGKILL, its summary written

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from locomm.testing import netlab
+from locomm.testing import netlab, procs
 
 OK, WHY = netlab.available()
 NAT_OK, NAT_WHY = netlab.available(nat=True)
@@ -29,11 +29,7 @@ def _ours(lab_or_prefix: str) -> list[str]:
 
 def _dead(pid: int | str) -> bool:
     """Gone, or a zombie nobody has reaped yet (an orphan's parent may be a container's init)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    return not procs.alive(int(pid))
 
 
 def test_available_gives_a_reason():

@@ -25,6 +25,7 @@ from locomm.config import RunSpec
 from locomm.data import load_corpus
 from locomm.sim import Simulator
 from locomm.testing.launcher import Launcher, PeerProcess, wait_until
+from locomm.testing.procs import Proc, alive, cmdline, descendants
 from locomm.train import Trainer
 
 pytestmark = pytest.mark.timeout(420)
@@ -358,7 +359,7 @@ def test_local_swarm_command(tmp_path, algo):
         cwd=tmp_path,
         env={**os.environ, "TMPDIR": str(tmpdir)},
     )
-    seen: dict[int, bytes] = {}
+    seen: dict[int, Proc] = {}
     try:
         deadline = time.monotonic() + 400
         while proc.poll() is None and time.monotonic() < deadline:
@@ -375,44 +376,13 @@ def test_local_swarm_command(tmp_path, algo):
     assert s["bytes_sent"] > 0
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert not list(tmpdir.glob("locomm-swarm-*"))  # no temp folders left
-    assert any(b"p2pd" in a for a in seen.values())
+    assert any(a.comm == "p2pd" for a in seen.values())
     assert not [p for p in seen if alive(p)]  # no orphaned peer or p2pd
 
 
 def _is_peer(pid: int) -> bool:
     """Whether ``pid`` is a `locomm-peer join` process (the launcher's reaper is a descendant too)."""
-    try:
-        return b"\0join\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def descendants(root: int) -> dict[int, bytes]:
-    """{pid: argv[0]} of every live descendant of ``root`` (from /proc, so no psutil)."""
-    children: dict[int, list[int]] = {}
-    argv0: dict[int, bytes] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv0[int(d.name)] = (d / "cmdline").read_bytes().split(b"\0")[0]
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = {}, [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out[c] = argv0.get(c, b"")
-            todo.append(c)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return " join " in cmdline(pid)
 
 
 @pytest.mark.parametrize("when", ["starting", "training"])
@@ -446,14 +416,14 @@ def test_swarm_ctrl_c_stops_everything(tmp_path, when):
         cwd=tmp_path,
         env={**os.environ, "TMPDIR": str(tmpdir)},
     )
-    seen: dict[int, bytes] = {}
+    seen: dict[int, Proc] = {}
     try:
         deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, f"swarm not up: {seen}"
             seen.update(descendants(proc.pid))
-            daemons = [p for p, a in seen.items() if b"p2pd" in a and alive(p)]
+            daemons = [p for p, a in seen.items() if a.comm == "p2pd" and alive(p)]
             if when == "starting" and any(_is_peer(p) for p in seen):  # a peer exists (not just the reaper)
                 break
             if (

@@ -21,10 +21,8 @@ import contextlib
 import logging
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from locomm.atomic import atomic_write_text
 from locomm.config import ConfigError, RunSpec
@@ -49,13 +47,7 @@ async def run_bootstrap(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     key = SwarmKey.load(opts.swarm_key) if opts.swarm_key else None
-    tmp = None
-    identity = opts.identity
-    if identity is None:
-        tmp = Path(tempfile.mkdtemp(prefix="locomm-id-"))
-        identity = tmp / "identity.key"
-    elif identity.exists():
-        load_identity(identity)
+    identity, tmp = reach.identity_path(opts, key)  # the peers' rules: a certificate needs its own identity
     initial = list(opts.initial_peers) or None
     p2p = dht = rec = clock = None
     try:

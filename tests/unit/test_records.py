@@ -305,3 +305,23 @@ def test_admission_certificates_admit_the_founders_members_only(identities, tmp_
     os.chmod(tmp_path / "founder.key", 0o644)
     with pytest.raises(ConfigError, match="chmod 600"):
         load_founder(tmp_path / "founder.key")
+
+
+async def test_a_bootstrap_node_with_a_certificate_runs_with_the_identity_it_names(identities, tmp_path):
+    """`locomm-peer bootstrap --swarm-key member.cert` follows the peers' rule: without --identity, or with another
+    peer's key file, it stops with the fix before any p2pd starts (before, it ran with a throwaway id whose records
+    every member refused)."""
+    from locomm.peer.bootstrap import run_bootstrap
+    from locomm.peer.options import NodeOptions
+    from locomm.peer.transport.admission import Certificate, load_founder, new_founder
+
+    new_founder(tmp_path / "founder.key")
+    ids = [SwarmValidator(load_identity(p)).peer_id for p in identities]
+    cert = tmp_path / "boot.cert"
+    atomic_write_bytes(
+        cert, Certificate.issue(load_founder(tmp_path / "founder.key"), ids[0], time.time() + 600).encode()
+    )
+    with pytest.raises(ConfigError, match="pass --identity"):
+        await run_bootstrap(NodeOptions(swarm_key=cert), None)
+    with pytest.raises(ConfigError, match="certificate is for peer"):
+        await run_bootstrap(NodeOptions(swarm_key=cert, identity=identities[1]), None)

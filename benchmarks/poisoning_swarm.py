@@ -58,6 +58,7 @@ def run_swarm(spec: RunSpec, attack: str | None, rounds: int, timeout_s: float) 
             finished = {p.name: (p.events("finished") or [{}])[0] for p in peers}
             rounds_ev = {p.name: p.events("round") for p in peers}
             screened = {p.name: p.events("screened") for p in peers}
+            bans = {p.name: p.events("banned") for p in peers}
         wall = time.time() - t0
     honest = [f"p{i}" for i in range(PEERS) if attack is None or i != ATTACKER]
     attacker = ids[f"p{ATTACKER}"] if attack is not None else None
@@ -65,7 +66,8 @@ def run_swarm(spec: RunSpec, attack: str | None, rounds: int, timeout_s: float) 
     honest_hits = {"rejected": 0, "clipped": 0}
     for name in honest:
         partners = {e["round"] - 1: set(e.get("partners", ())) for e in rounds_ev[name]}  # "round" is after +1
-        banned_from = None
+        # when this peer had the attacker banned: bans end (10 min, doubling), so a ban is an interval
+        banned = [(b["time"], b["time"] + b["for_s"]) for b in bans[name] if b.get("banned_peer") == attacker]
         for ev in screened[name]:
             r = ev["round"]
             rejected, clipped = set(ev["rejected"]), set(ev["clipped"])
@@ -81,13 +83,9 @@ def run_swarm(spec: RunSpec, attack: str | None, rounds: int, timeout_s: float) 
                     tally["clipped"] += 1
                 else:
                     tally["accepted"] += 1
-            elif banned_from is not None and r >= banned_from:
+            elif any(t0 <= ev["time"] < t1 for t0, t1 in banned):
                 tally["exchanges"] += 1
                 tally["banned_skip"] += 1
-            if attacker in rejected and tally["rejected"] >= spec.network.max_faults_before_ban and banned_from is None:
-                banned_from = r + 1
-        if attacker is not None and attacker in finished[name].get("banned_peers", []) and banned_from is None:
-            banned_from = 0
     losses = {n: finished[n].get("final_loss") for n in honest}
     good = [v for v in losses.values() if isinstance(v, float)]
     blocked = tally["rejected"] + tally["clipped"] + tally["banned_skip"]
@@ -101,7 +99,7 @@ def run_swarm(spec: RunSpec, attack: str | None, rounds: int, timeout_s: float) 
         "blocked_fraction": blocked / tally["exchanges"] if tally["exchanges"] else None,
         "honest_rejected": honest_hits["rejected"],
         "honest_clipped": honest_hits["clipped"],
-        "banned_by": sorted(n for n in honest if attacker and attacker in finished[n].get("banned_peers", [])),
+        "banned_by": sorted(n for n in honest if any(b.get("banned_peer") == attacker for b in bans[n])),
     }
 
 

@@ -213,7 +213,7 @@ class Host:
                 self.validator.set_run(self.run_id, net.heartbeat_ttl_s)
                 self._forget_unchecked(peers_key(self.run_id))
             self.limits = Limits.from_network(net)
-            self.faults = Faults(net.max_faults_before_ban)
+            self.faults = Faults(net.max_faults_before_ban, on_ban=self._banned)
             (shaper := Shaper(self.opts.max_upload_mbit, self.opts.max_download_mbit)).check(net)  # cap >= floor
             self.rpc = RpcServer(
                 self.p2p,
@@ -370,6 +370,10 @@ class Host:
         """Keys this peer's data generator: the shard index where one was given, else 64 bits of its peer id
         (under data.sharding = iid every peer samples the whole split, and no two draw the same windows)."""
         return self.opts.shard[0] if self.opts.shard else int(self.me.encode().hex()[-16:], 16)
+
+    def _banned(self, peer: str, for_s: float, faults: int) -> None:
+        """Each ban goes to the event log: the peer, for how long, after how many faults (a ban ends by itself)."""
+        self.events.write("banned", banned_peer=peer, for_s=round(for_s, 1), faults=faults)
 
     def note_screening(self, round_idx: int | None, outcome: Screened) -> None:
         """A rejected outer update is a fault against its sender (the round went on without it). Every applied

@@ -328,6 +328,8 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
     assert fin["interrupted"] and math.isfinite(fin["final_loss"]) and losses[-1] < losses[0], losses
     assert (tmp_path / "ck" / "checkpoint.safetensors").exists()
     assert fin["errors_answered"]["BANNED"] >= 1
+    (ban,) = peer.events("banned")  # the log says whom, for how long (bans end), after how many faults
+    assert ban["for_s"] == 600.0 and ban["faults"] == 9 and ban["banned_peer"] in fin["banned_peers"]
 
 
 @pytest.mark.parametrize("algo", ["gasloc", "sparseloco", "diloco"])

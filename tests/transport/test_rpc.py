@@ -979,10 +979,12 @@ def test_a_ban_ends_and_each_later_one_lasts_twice_as_long():
     from locomm.peer.transport.transfers import BAN_MAX_S
 
     now = [0.0]
-    f = Faults(3, clock=lambda: now[0], ban_s=100.0)
+    told: list[tuple[str, float, int]] = []
+    f = Faults(3, clock=lambda: now[0], ban_s=100.0, on_ban=lambda *a: told.append(a))
     for _ in range(3):
         f.record("QmP", "broke a promise")
     assert f.banned == {"QmP"} and f.count["QmP"] == 3
+    assert told == [("QmP", 100.0, 3)]  # the host writes it as a "banned" event
     now[0] = 99.9
     assert "QmP" in f.banned
     now[0] = 100.0
@@ -991,7 +993,7 @@ def test_a_ban_ends_and_each_later_one_lasts_twice_as_long():
     f.record("QmP", "again")
     assert not f.banned  # 2 faults since the ban: not yet
     f.record("QmP", "again")
-    assert f.banned == {"QmP"} and f.bans["QmP"] == 2
+    assert f.banned == {"QmP"} and f.bans["QmP"] == 2 and told[-1] == ("QmP", 200.0, 6)
     now[0] = 100.0 + 199.9
     assert f.banned == {"QmP"}  # twice as long
     now[0] = 300.0

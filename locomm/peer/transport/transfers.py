@@ -67,8 +67,17 @@ class Faults:
     """Faults per peer and the local ban list: ``max_faults`` faults since a peer's last ban ban it for a while
     (``BAN_S``, doubling per ban). ``clock``: monotonic seconds (a test's virtual time)."""
 
-    def __init__(self, max_faults: int, *, clock: Callable[[], float] = time.monotonic, ban_s: float = BAN_S) -> None:
+    def __init__(
+        self,
+        max_faults: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        ban_s: float = BAN_S,
+        on_ban: Callable[[str, float, int], None] | None = None,
+    ) -> None:
         self.max_faults = max_faults
+        self.on_ban = on_ban
+        """``on_ban(peer, seconds, faults)`` at each ban (the host writes a "banned" event)."""
         self.count: dict[str, int] = defaultdict(int)
         """Every fault of each peer, over this process's life."""
         self.bans: dict[str, int] = defaultdict(int)
@@ -108,6 +117,8 @@ class Faults:
         span = min(BAN_MAX_S, self.ban_s * 2.0 ** min(len(recent) - 1, 32))
         self._until[peer] = now + span
         log.warning("banned %s for %.0f s after %d faults", peer[-8:], span, self.count[peer])
+        if self.on_ban is not None:
+            self.on_ban(peer, span, self.count[peer])
 
     def record(self, peer: str, why: str) -> None:
         self.count[peer] += 1

@@ -106,8 +106,10 @@ class FakeP2P:
     async def call_binary_stream_handler(self, peer_id, name):
         to = peer_id.to_base58()
         remote = self.net.nodes.get(to)
-        if remote is None or name not in remote.handlers:
+        if remote is None:
             raise ConnectionError(f"cannot dial {to}")
+        if name not in remote.handlers:  # reached, and it runs no such service: p2pd's words
+            raise RuntimeError(f"Connect failed. msg=failed to negotiate protocol: protocols not supported: [{name}]")
         self.net.opened.append((self.me, to))
         self.net.opened_at.append((self.me, to, asyncio.get_running_loop().time()))
         cut = self.net.cuts.pop((self.me, to), math.inf)
@@ -436,6 +438,37 @@ def test_a_partner_that_answers_but_never_sends_is_a_fault_every_few_rounds(pool
             b2.advance(r + 1)
             c2.advance(r + 1)
         assert b2.faults.total == 0 and b2.stats.broken_promises == 0
+
+    run(body())
+
+
+def test_a_live_partner_that_serves_no_exchange_is_not_waited_for_and_breaks_its_promises(pool):
+    """C is reached (its p2pd answers, as a live Sybil's does: it answers hellos, so it counts as a member) and
+    runs no exchange service at all: our push to it fails "protocols not supported" at once. B stops waiting for
+    it then, not at its ETA (measured with live Sybils on loopback, `benchmarks/ghosts.py --live`: each such
+    partner cost its ETA, 84% of the honest peers' time, and was never a fault, since it counted as
+    unreachable); and being alive it breaks its promises: a fault every BROKEN_PROMISES rounds, banned after
+    three. An unreachable partner (gone) stays no fault."""
+    from locomm.protocol.timing import BROKEN_PROMISES
+
+    async def body():
+        net = FakeNet()
+        b = await peer(net, B, pool)
+        net.nodes[C] = FakeP2P(net, C)  # alive, no gossip service
+        for r in range(BROKEN_PROMISES * 3):
+            got, dt = await exchange(b, r, [C], r, eta_s=ETA_S)
+            assert got == {} and dt < 1.0, (r, dt)  # not its ETA (300 s)
+            b.advance(r + 1)
+        assert b.faults.count[C] == 3 and C in b.faults.banned and b.stats.broken_promises == 3
+        assert b.stats.unreachable == 0
+
+        gone = FakeNet()
+        b2 = await peer(gone, B, pool)  # C has no p2pd at all: unreachable, a dead partner costs its ETA
+        for r in range(BROKEN_PROMISES):
+            got, dt = await exchange(b2, r, [C], r, eta_s=5.0)
+            assert got == {} and 5.0 <= dt < 5.0 + 1.0, (r, dt)
+            b2.advance(r + 1)
+        assert b2.faults.total == 0 and b2.stats.unreachable == BROKEN_PROMISES
 
     run(body())
 

@@ -302,8 +302,9 @@ class Gossip:
         return max(1, min(self.streams, len(out.parts), math.ceil(raw / self.parallel_threshold)))
 
     async def push(self, peer: str, out: Outgoing) -> ErrorCode | str:
-        """Send our payload to one partner; an ErrorCode answer, or "unreachable" / "cut". A refusal that can pass
-        (the partner has not seen our heartbeat yet, or has not opened the round) is retried, a second apart."""
+        """Send our payload to one partner; an ErrorCode answer, or "not served" / "unreachable" / "cut". A refusal
+        that can pass (the partner has not seen our heartbeat yet, or has not opened the round) is retried, a second
+        apart."""
         outcome: ErrorCode | str = ErrorCode.OK
         pending = list(range(len(out.parts)))  # parts no stream has had an OK for yet
         for attempt in range(PUSH_ATTEMPTS):
@@ -538,6 +539,8 @@ class Gossip:
         streams, its heartbeat); whether a transfer of its payload to us is moving now."""
         if push.done() and not push.cancelled() and push.exception() is None and push.result() in _REFUSALS:
             w.ended = w.ended or "refused"  # it refused us: it will not send either
+        if push.done() and not push.cancelled() and push.exception() is None and push.result() == "not served":
+            w.ended = w.ended or "no exchange"  # alive, and runs no exchange of this run: nothing will come
         if pull is not None and pull.done():
             w.pulling = False
             if not pull.cancelled() and pull.exception() is None and pull.result() is None:

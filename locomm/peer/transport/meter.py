@@ -21,6 +21,16 @@ class Unreachable(Exception):
     """The peer could not be dialled (behind NAT, gone): not a fault."""
 
 
+class NotServed(Unreachable):
+    """The peer was reached (libp2p's secure channel completed with the holder of its key) and runs no such
+    service: another run, a peer shutting down, or an identity that answers hellos and serves nothing (a Sybil
+    counted as a member). Not a fault by itself; unlike an unreachable partner it is alive, so a partner that
+    serves no exchange round after round breaks its promises (``timing.Promises``)."""
+
+    MARK = "protocols not supported"
+    """What p2pd says when the remote side has no handler for the protocol (``failed to negotiate protocol``)."""
+
+
 class FloorWindow:
     """The floor-rate check of one stream: over any ``window_s`` of waiting on the wire, at least the floor.
 

@@ -52,7 +52,7 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
-from locomm.peer.transport.meter import Clock, FloorWindow, LinkLoad, Meter, TransferCut, Unreachable
+from locomm.peer.transport.meter import Clock, FloorWindow, LinkLoad, Meter, NotServed, TransferCut, Unreachable
 from locomm.peer.transport.shaper import SLICE, Bucket, Shaper, attach, shaper_of
 from locomm.protocol.messages import (
     FAULT_CODES,
@@ -464,6 +464,8 @@ async def open_link(
     except asyncio.CancelledError:
         raise
     except (Exception, TimeoutError) as e:  # noqa: BLE001 - p2pd reports dial failures in several ways
+        if NotServed.MARK in str(e):
+            raise NotServed(f"{type(e).__name__}: {e}") from None
         raise Unreachable(f"{type(e).__name__}: {e}") from None
     shaper = shaper if shaper is not None else shaper_of(p2p)
     return Link(reader, writer, limits, Meter(peer, direction), streams, clock=clock, shaper=shaper, loads=loads)

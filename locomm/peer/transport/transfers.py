@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from locomm.compression.payload import Part, PayloadCodec
+from locomm.peer.transport.meter import NotServed
 from locomm.peer.transport.paths import PathLog
 from locomm.peer.transport.rpc import RpcServer, TransferCut, Unreachable
 from locomm.protocol.messages import ErrorCode
@@ -211,9 +212,9 @@ def tally_lanes(
 ) -> tuple[ErrorCode | str, set[int], set[int], bool]:
     """One push attempt's outcome from its streams' results (``(code, pull, held)`` or an exception).
 
-    Returns the outcome (the first refusal, or "unreachable" / "reset" / "cut"), the parts answered OK, the
-    streams answered "held already" (their bytes delivered nothing new), and whether the partner asked us to
-    let it pull.
+    Returns the outcome (the first refusal, or "not served" / "unreachable" / "reset" / "cut"), the parts
+    answered OK, the streams answered "held already" (their bytes delivered nothing new), and whether the partner
+    asked us to let it pull.
     """
     delivered: set[int] = set()
     redundant: set[int] = set()
@@ -222,7 +223,9 @@ def tally_lanes(
     for k, (idx, r) in enumerate(zip(lanes, results)):
         if isinstance(r, asyncio.CancelledError):
             raise r
-        if isinstance(r, Unreachable):
+        if isinstance(r, NotServed):
+            outcome = "not served"
+        elif isinstance(r, Unreachable):
             outcome = "unreachable"
         elif isinstance(r, EarlyReset):
             outcome = "reset" if outcome == ErrorCode.OK else outcome

@@ -54,32 +54,92 @@ def spec_file(folder: Path) -> tuple[Path, RunSpec]:
     return path, spec
 
 
+def poisoned_state(spec: RunSpec, poison: str) -> dict[str, Any]:
+    """A state in the layout a joiner of ``spec`` expects (``state_tensors`` of a fresh model and its outer
+    algorithm), poisoned: ``init`` is a fresh model's weights (a joiner given it trains from scratch, as the
+    ghosts' joiner did before); ``noise`` adds noise of each tensor's own scale to them."""
+    import torch  # noqa: PLC0415
+
+    from locomm.peer.transport.state_sync import state_tensors  # noqa: PLC0415
+    from locomm.protocol import build_outer  # noqa: PLC0415
+    from locomm.train import Trainer  # noqa: PLC0415
+
+    trainer = Trainer(spec, device="cpu", worker_id=0, num_workers=1, stream=12345)
+    params = dict(trainer.model.named_parameters())
+    tensors = state_tensors(params, build_outer(spec.outer, params, "sybil"))
+    g = torch.Generator().manual_seed(7)
+    out = {}
+    for k, v in tensors.items():
+        v = v.detach().to(torch.float32).clone().contiguous()
+        if poison == "noise" and v.numel() > 1:
+            v += 3.0 * (v.std() + 1e-3) * torch.randn(v.shape, generator=g)
+        out[k] = v
+    return out
+
+
 async def haunt(
-    boot: str, run_id: str, ttl: float, n: int, far: int, folder: Path, round_of: Any, stop: asyncio.Event
+    boot: str,
+    run_id: str,
+    ttl: float,
+    n: int,
+    far: int,
+    folder: Path,
+    round_of: Any,
+    stop: asyncio.Event,
+    *,
+    live: RunSpec | None = None,
+    poison: str = "init",
 ) -> dict[str, Any]:
-    """Keep ``n`` ghosts' heartbeats stored until ``stop``: one DHT node signing each with that ghost's key."""
+    """Keep ``n`` identities' heartbeats stored until ``stop``: one DHT node signing each with that identity's
+    key. Ghosts (``live`` None) have nobody behind them. Live ones (``live``: the run's spec) each run a p2pd
+    of their own with that identity, answer hellos (so every peer sees them alive and counts them), serve a
+    poisoned state to state downloads at the round they claim, put their p2pd's addresses in their heartbeat,
+    and run no gossip service: a push to them fails, and nothing ever comes from them."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
     from hivemind.dht import DHTNode  # noqa: PLC0415
     from hivemind.p2p import P2P  # noqa: PLC0415
     from hivemind.utils import get_dht_time  # noqa: PLC0415
 
+    from locomm.peer.transport import hello  # noqa: PLC0415
     from locomm.peer.transport.records import SwarmValidator, load_identity  # noqa: PLC0415
+    from locomm.peer.transport.rpc import RpcServer  # noqa: PLC0415
+    from locomm.peer.transport.state_sync import Snapshot, StateServer  # noqa: PLC0415
     from locomm.peer.transport.swarm import store_heartbeat  # noqa: PLC0415
+    from locomm.protocol.timing import Limits  # noqa: PLC0415
 
-    p2p = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    p2p = await P2P.create(initial_peers=[boot], host_maddrs=loopback)
     dht = await DHTNode.create(p2p=p2p, initial_peers=[boot], client_mode=True, ensure_bootstrap_success=False)
-    validators = []
-    for i in range(n):
-        path = folder / f"ghost{i}.id"
-        P2P.generate_identity(str(path))
-        validators.append(SwarmValidator(load_identity(path)))
-    stats = {"ghosts": [v.peer_id for v in validators], "stored": 0, "refused": 0}
+    validators, lives, servers, maddrs = [], [], [], []
+    pool = ThreadPoolExecutor(1)
+    tensors = await asyncio.to_thread(poisoned_state, live, poison) if live is not None else None
+    stats: dict[str, Any] = {"ghosts": [], "stored": 0, "refused": 0, "live": live is not None, "hellos": 0}
     try:
+        for i in range(n):
+            path = folder / f"ghost{i}.id"
+            P2P.generate_identity(str(path))
+            validators.append(SwarmValidator(load_identity(path)))
+            if live is not None:
+                own = await P2P.create(identity_path=str(path), initial_peers=[boot], host_maddrs=loopback)
+                lives.append(own)
+
+                def seen(_peer: str) -> None:
+                    stats["hellos"] += 1
+
+                await hello.serve(own, run_id, seen)
+                server = StateServer(run_id, copies=1000)
+                await RpcServer(own, run_id, Limits.from_network(live.network), pool).add(server.service())
+                servers.append(server)
+                maddrs.append([str(m) for m in await own.get_visible_maddrs()])
+        stats["ghosts"] = [v.peer_id for v in validators]
         while not stop.is_set():
             now = get_dht_time()
             for i, v in enumerate(validators):
-                dht.protocol.record_validator = v  # this store is signed with the ghost's own key
+                claimed = FAR_ROUND if i < far else round_of()
+                dht.protocol.record_validator = v  # this store is signed with the identity's own key
                 beat = {
-                    "round": FAR_ROUND if i < far else round_of(),
+                    "round": claimed,
                     "join_round": 0,
                     "started": True,
                     "version": __version__,
@@ -89,15 +149,25 @@ async def haunt(
                     "partners": 1,
                     "eta_s": 0.5,
                 }
+                if servers:
+                    beat["maddrs"] = maddrs[i]
+                    if servers[i].snapshot is None or servers[i].snapshot.round != claimed:
+                        servers[i].snapshot = Snapshot(claimed, tensors)  # the round it claims: no lie to catch
                 ok = await store_heartbeat(dht, run_id, v.peer_id, beat, ttl)
                 stats["stored" if ok else "refused"] += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
+        stats["state_bytes_served"] = sum(
+            n
+            for s in servers
+            for q in s._sent.values()
+            for _, n in q  # within the last FETCH_WINDOW_S
+        )
     finally:
-        with contextlib.suppress(Exception):
-            await dht.shutdown()
-        with contextlib.suppress(Exception):
-            await p2p.shutdown()
+        for node in (dht, p2p, *lives):
+            with contextlib.suppress(Exception):
+                await node.shutdown()
+        pool.shutdown(wait=False)
     return stats
 
 
@@ -124,7 +194,8 @@ def run_swarm(folder: Path, args: Any, ghosts: int) -> dict[str, Any]:
             task = None
             if ghosts:
                 kw = dict(ttl=spec.network.heartbeat_ttl_s, n=ghosts, far=args.far, folder=folder, stop=stop)
-                task = asyncio.create_task(haunt(boot, run_id, round_of=p0.round, **kw))
+                live = spec if args.live else None
+                task = asyncio.create_task(haunt(boot, run_id, round_of=p0.round, live=live, poison=args.poison, **kw))
             deadline = time.monotonic() + args.timeout
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 if joiner is None and p0.round() >= args.join_at:
@@ -178,6 +249,12 @@ def run_swarm(folder: Path, args: Any, ghosts: int) -> dict[str, Any]:
                 "final_loss": (joiner.events("finished") or [{}])[0].get("final_loss"),
                 "ghosts_counted": sum(1 for e in jrounds for m in e.get("member_ids", []) if m in ghost_ids),
             }
+            if synced:  # whose state it took, and whom it asked and faulted: honest peers or ghosts
+                sync = synced[0]
+                for k in ("donor_ids", "faulted_ids", "asked"):
+                    ids = sync.get(k, [])
+                    out["joiner"][f"{k}_ghosts"] = sum(1 for m in ids if m in ghost_ids)
+                    out["joiner"][f"{k}_honest"] = len(ids) - out["joiner"][f"{k}_ghosts"]
             out["joiner"]["tail"] = joiner.tail()[-1500:]
     return out
 
@@ -191,10 +268,13 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--keep", type=Path, help="Keep the peers' logs in this folder (default: a temporary one)")
     ap.add_argument("--only", choices=["clean", "haunted"], help="Run one of the two swarms")
+    ap.add_argument("--live", action="store_true", help="Each identity runs a p2pd of its own (see haunt)")
+    ap.add_argument("--poison", choices=["init", "noise"], default="init", help="The state live identities serve")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.ghosts, args.far, args.join_at = 30, 8, 2, 4
     result: dict[str, Any] = {"bench": "ghosts", "rounds": args.rounds, "peers": PEERS, "far": args.far}
+    result.update(live=args.live, poison=args.poison if args.live else None, ghosts=args.ghosts)
     with tempfile.TemporaryDirectory(prefix="locomm-ghosts-") as tmp:
         folder = args.keep or Path(tmp)
         for name, n in (("clean", 0), ("haunted", args.ghosts)):

@@ -231,9 +231,10 @@ class Presence:
             return None
         if got is None:
             log.warning("could not download the swarm's state from %d donor(s)", len(donors))
-            host.events.write("sync_failed", donors=len(donors), **event)
+            host.events.write("sync_failed", donors=len(donors), asked=list(donors), **event)
             return None
         info = dict(donor_round=got.round, tensors=len(got.tensors), rule=got.rule, faulted=len(got.faulted))
+        info.update(donor_ids=list(got.donors), faulted_ids=list(got.faulted), asked=list(donors))
         host.events.write("synced", donors=len(got.donors), **info, **event)
         log.info("synced state of round %d from %d donor(s) by %s", got.round, len(got.donors), got.rule)
         return got

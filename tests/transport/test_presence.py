@@ -161,7 +161,7 @@ async def test_a_download_asks_fresh_donors_each_attempt_then_gives_up():
     assert seen_groups == [f"ip4:10.{i + 1}.0.0/16" for i in range(STATE_ATTEMPTS)]  # the connections, read anew
     assert host.fetches == [[f"d{i}"] for i in range(STATE_ATTEMPTS)]
     assert host.slept == [2.0, 4.0, 8.0, 8.0]
-    assert host.events.log == [("sync_failed", {"donors": 1})]
+    assert host.events.log == [("sync_failed", {"donors": 1, "asked": ["d4"]})]
 
 
 async def test_a_download_that_succeeds_loads_what_it_got():
@@ -178,7 +178,8 @@ async def test_a_download_that_succeeds_loads_what_it_got():
     assert host.judges == [judge, judge]  # the driver's check goes with every attempt
     assert host.events.log[-1] == (
         "synced",
-        {"donors": 2, "donor_round": 3, "tensors": 1, "rule": "majority", "faulted": 0, "stage": 2},
+        {"donors": 2, "donor_round": 3, "tensors": 1, "rule": "majority", "faulted": 0, "stage": 2}
+        | {"donor_ids": ["a", "b"], "faulted_ids": [], "asked": ["a", "b"]},
     )
 
 

@@ -458,6 +458,7 @@ def test_a_live_partner_that_serves_no_exchange_is_not_waited_for_and_breaks_its
         for r in range(BROKEN_PROMISES * 3):
             got, dt = await exchange(b, r, [C], r, eta_s=ETA_S)
             assert got == {} and dt < 1.0, (r, dt)  # not its ETA (300 s)
+            assert not b.undelivered(r)  # and a leaving B serves it nothing (it runs no exchange: it never pulls)
             b.advance(r + 1)
         assert b.faults.count[C] == 3 and C in b.faults.banned and b.stats.broken_promises == 3
         assert b.stats.unreachable == 0

@@ -319,8 +319,8 @@ class Gossip:
             await asyncio.sleep(1.0 + attempt)
         if outcome == "reset":
             outcome = "cut"
-        if outcome == ErrorCode.OK or outcome in _REFUSALS:  # it has our payload, or will never take it
-            out.delivered.add(peer)
+        if outcome == ErrorCode.OK or outcome in _REFUSALS or outcome == "not served":
+            out.delivered.add(peer)  # it has our payload, or will never take it (it runs no exchange: no pull)
         if outcome == ErrorCode.OK:
             self.stats.pushes_ok += 1
         else:

@@ -464,7 +464,7 @@ async def open_link(
     except asyncio.CancelledError:
         raise
     except (Exception, TimeoutError) as e:  # noqa: BLE001 - p2pd reports dial failures in several ways
-        if NotServed.MARK in str(e):
+        if f"{NotServed.MARK}: [{handler}]" in str(e):  # this handler, not a relay's hop protocol
             raise NotServed(f"{type(e).__name__}: {e}") from None
         raise Unreachable(f"{type(e).__name__}: {e}") from None
     shaper = shaper if shaper is not None else shaper_of(p2p)

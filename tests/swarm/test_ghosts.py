@@ -83,3 +83,31 @@ def test_ghost_identities_are_never_counted_and_live_peers_are(tmp_path: Path) -
     assert set(out["donors"]) <= {reader, honest} and not ghosts & set(out["donors"])
     assert out["ghosts_unanswered"] == [True] * len(ghosts), "each ghost was asked, and waits out a backoff"
     assert out["honest_counts_reader"]
+
+
+async def test_a_live_identity_that_serves_no_exchange_is_told_apart_from_an_unreachable_one() -> None:
+    """Real p2pd: a stream to a peer that runs no such handler fails "protocols not supported", which
+    ``open_link`` raises as ``NotServed`` (alive: not waited for, breaks its promises), while a peer id nobody
+    answers for is ``Unreachable``, and NotServed is not claimed for a protocol other than ours."""
+    from hivemind.p2p import P2P
+
+    from locomm.peer.transport.meter import NotServed, Unreachable
+    from locomm.peer.transport.rpc import open_link
+    from locomm.protocol.timing import Limits
+
+    limits = Limits(request_timeout_s=5.0)
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    a = await P2P.create(host_maddrs=loopback)
+    b = await P2P.create(host_maddrs=loopback, initial_peers=[str(m) for m in await a.get_visible_maddrs()])
+    gone = await P2P.create(host_maddrs=loopback)
+    nobody = gone.peer_id.to_base58()
+    await gone.shutdown()
+    try:
+        with pytest.raises(NotServed):
+            await open_link(b, a.peer_id.to_base58(), "locomm.run.gossip", limits)
+        with pytest.raises(Unreachable) as e:
+            await open_link(b, nobody, "locomm.run.gossip", limits)
+        assert not isinstance(e.value, NotServed), e.value
+    finally:
+        await b.shutdown()
+        await a.shutdown()

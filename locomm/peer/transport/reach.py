@@ -31,7 +31,7 @@ from hivemind.p2p import P2P
 
 from locomm.config import ConfigError, RunSpec
 from locomm.peer.options import NodeOptions
-from locomm.peer.transport import dht_clock, leftovers, peer_cache, relay_check
+from locomm.peer.transport import dht_clock, leftovers, p2pd_calls, peer_cache, relay_check
 from locomm.peer.transport.records import SwarmKey, SwarmValidator, load_identity, peer_id_of, public_der
 from locomm.peer.transport.swarm import peer_ids_of
 
@@ -267,6 +267,8 @@ async def start_p2p(
     limited to 128 KiB per relayed connection, at most ``RELAY_STARTS`` times; its p2pd runs one Go thread,
     which settles the race in hivemind 1.1.12's p2pd for the wide one (peer/transport/relay_check.py; an open
     peer left to AutoNAT has the limited one only until AutoNAT says public)."""
+
+    p2pd_calls.install()  # a late answer to a cancelled call must not silence the control client
 
     async def create() -> P2P:
         return await P2P.create(

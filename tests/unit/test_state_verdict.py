@@ -26,6 +26,10 @@ def test_a_state_worse_than_our_own_weights_is_refused_once_the_swarm_has_traine
     why = loss_verdict(5.6, [4.0, 4.2], own=5.5)  # within the factor, but worse than not syncing at all
     assert why is not None and "our own weights" in why
     assert loss_verdict(5.6, [5.6, 5.7], own=5.5) is None  # the swarm has not trained below our own loss yet
+    # the run's initial weights, served by colluding live identities (ghosts.py --live: 4 of 5 donors), score
+    # exactly a fresh joiner's own loss and were taken; no better than not syncing, they are refused now
+    why = loss_verdict(5.3355, [1.8, 1.9, 1.7], own=5.3355)
+    assert why is not None and "no better than our own weights" in why
 
 
 def test_a_non_finite_loss_is_refused_and_nothing_published_takes_a_finite_one():

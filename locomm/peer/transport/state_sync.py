@@ -108,8 +108,9 @@ def loss_verdict(loss: float, published: Sequence[float | None], own: float | No
     ``published``: the losses the members' heartbeats carry (None and non-finite ones are ignored; the median
     is taken, so a minority cannot move the reference); ``own``: the loss of the weights we hold now (fresh
     ones for a new joiner). Refused: a non-finite loss; a loss above ``STATE_LOSS_FACTOR`` x the published
-    median; a loss above our own weights' once the members publish a lower one (the swarm has trained, and
-    this state is worse than not syncing at all). With nothing published, only the first two checks apply."""
+    median; a loss no lower than our own weights' once the members publish a lower one (the swarm has trained,
+    and this state is no better than not syncing at all: the run's initial weights, which a fresh joiner holds
+    too, score exactly its own loss). With nothing published, only the first two checks apply."""
     if not math.isfinite(loss):
         return f"loss on our held-out batches is {loss}"
     ref = [x for x in published if x is not None and math.isfinite(x)]
@@ -118,8 +119,8 @@ def loss_verdict(loss: float, published: Sequence[float | None], own: float | No
     median = statistics.median(ref)
     if loss > STATE_LOSS_FACTOR * median:
         return f"loss on our held-out batches is {loss:.4g}, over {STATE_LOSS_FACTOR:g}x the members' {median:.4g}"
-    if own is not None and math.isfinite(own) and median < own < loss:
-        return f"loss on our held-out batches is {loss:.4g}, above our own weights' {own:.4g}"
+    if own is not None and math.isfinite(own) and median < own <= loss:  # a fresh model's weights: equal, no gain
+        return f"loss on our held-out batches is {loss:.4g}, no better than our own weights' {own:.4g}"
     return None
 
 

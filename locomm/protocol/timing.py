@@ -253,7 +253,7 @@ class PartnerWait:
     hinted: bool = False
     """It asks to be pulled (a push answer, or its heartbeat lists the round in ``serves``)."""
     ended: str = ""
-    """Why nothing will come ("refused", "gone", "not served"), '' while something may."""
+    """Why nothing will come ("refused", "gone", "not served", "no exchange": it runs none), '' while something may."""
     last_pull: float = -math.inf
     pulling: bool = False
     moved: bool = False

@@ -105,6 +105,7 @@ class FakeP2P:
 
     async def call_binary_stream_handler(self, peer_id, name):
         to = peer_id.to_base58()
+        self.net.dials.append((self.me, to))
         remote = self.net.nodes.get(to)
         if remote is None:
             raise ConnectionError(f"cannot dial {to}")
@@ -128,6 +129,8 @@ class FakeNet:
         self.nodes: dict[str, FakeP2P] = {}
         self.cuts: dict[tuple[str, str], float] = {}
         """(from, to) -> the next stream opened from -> to moves this many bytes forward, then stalls."""
+        self.dials: list[tuple[str, str]] = []
+        """(from, to) of every stream asked for, opened or not."""
         self.opened: list[tuple[str, str]] = []
         self.opened_at: list[tuple[str, str, float]] = []
         self.pipes: list[tuple[str, str, Pipe]] = []
@@ -447,21 +450,25 @@ def test_a_live_partner_that_serves_no_exchange_is_not_waited_for_and_breaks_its
     runs no exchange service at all: our push to it fails "protocols not supported" at once. B stops waiting for
     it then, not at its ETA (measured with live Sybils on loopback, `benchmarks/ghosts.py --live`: each such
     partner cost its ETA, 84% of the honest peers' time, and was never a fault, since it counted as
-    unreachable); and being alive it breaks its promises: a fault every BROKEN_PROMISES rounds, banned after
-    three. An unreachable partner (gone) stays no fault."""
+    unreachable). A member of the round that runs no exchange of the run is a fault each round it is planned
+    (three ban it), and a leaving B serves it nothing. An unreachable partner (gone) stays no fault."""
     from locomm.protocol.timing import BROKEN_PROMISES
 
     async def body():
         net = FakeNet()
         b = await peer(net, B, pool)
         net.nodes[C] = FakeP2P(net, C)  # alive, no gossip service
-        for r in range(BROKEN_PROMISES * 3):
+        for r in range(3):
             got, dt = await exchange(b, r, [C], r, eta_s=ETA_S)
             assert got == {} and dt < 1.0, (r, dt)  # not its ETA (300 s)
             assert not b.undelivered(r)  # and a leaving B serves it nothing (it runs no exchange: it never pulls)
+            assert b.faults.count[C] == r + 1
             b.advance(r + 1)
-        assert b.faults.count[C] == 3 and C in b.faults.banned and b.stats.broken_promises == 3
-        assert b.stats.unreachable == 0
+        assert C in b.faults.banned and b.stats.unreachable == 0
+        assert (B, C) in net.dials
+        dialled = len(net.dials)
+        got, dt = await exchange(b, 3, [C], 3, eta_s=ETA_S)
+        assert got == {} and dt < 0.5 and len(net.dials) == dialled  # banned: skipped, not even dialled
 
         gone = FakeNet()
         b2 = await peer(gone, B, pool)  # C has no p2pd at all: unreachable, a dead partner costs its ETA

@@ -523,6 +523,9 @@ class Gossip:
         self.stats.exchanges_ok += len(got)
         self.stats.exchanges_failed += len(peers) - len(got)
         for p in peers:  # one we cannot dial is gone or cut off from us, not lying: its heartbeat will say
+            if waits[p].ended == "no exchange" and p not in got:  # a member of this round running none: a liar
+                self.faults.record(p, f"round {round_idx}: announced as a member, runs no exchange of this run")
+                continue
             if p not in self.unreachable.get(round_idx, ()) and self.promises.settle(p, waits[p], p in got):
                 self.stats.broken_promises += 1
                 self.faults.record(p, f"planned for {self.promises.limit} rounds in a row, sent nothing by its ETA")

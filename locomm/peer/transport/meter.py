@@ -24,8 +24,8 @@ class Unreachable(Exception):
 class NotServed(Unreachable):
     """The peer was reached (libp2p's secure channel completed with the holder of its key) and runs no such
     service: another run, a peer shutting down, or an identity that answers hellos and serves nothing (a Sybil
-    counted as a member). Not a fault by itself; unlike an unreachable partner it is alive, so a partner that
-    serves no exchange round after round breaks its promises (``timing.Promises``)."""
+    counted as a member). Not a fault when it is unreachable's cause; a partner of this round's exchange that
+    runs none is one (``Gossip.exchange``): it announced itself a member of a round it does not take part in."""
 
     MARK = "protocols not supported"
     """What p2pd says when the remote side has no handler for the protocol (``failed to negotiate protocol``)."""

@@ -225,7 +225,7 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
             from locomm.compression.payload import PayloadCodec
             from locomm.peer.transport.records import SwarmValidator
             from locomm.peer.transport.swarm import store_heartbeat
-            from locomm.protocol.messages import push_header
+            from locomm.protocol.messages import push_header, response_header
 
             ident = str(tmp_path / "probe.id")  # records are signed: the probe holds its identity's key
             client = await P2P.create(initial_peers=[boot], host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=ident)
@@ -233,6 +233,16 @@ def test_malformed_messages_get_error_codes(tmp_path, launcher):
                 p2p=client, initial_peers=[boot], record_validator=SwarmValidator.from_identity(ident)
             )
             me = client.peer_id.to_base58()
+
+            async def not_this_round(_info, _reader, writer) -> None:
+                # The target pairs with us every round (see announce() below) and pushes to us: answer as a peer
+                # in another round does (a refusal, not a fault). A member that ran no exchange at all would be
+                # a fault each round it is planned, and banned before the cases below are done.
+                writer.write(frame(response_header(ErrorCode.STALE_ROUND, "a probe: no exchange")))
+                await writer.drain()
+                writer.close()
+
+            await client.add_binary_stream_handler(handler, not_this_round)
 
             async def send(raw: bytes) -> int:
                 _, reader, writer = await client.call_binary_stream_handler(PeerID.from_base58(target), handler)

@@ -540,9 +540,10 @@ class Gossip:
     ) -> bool:
         """Bring partner ``p``'s wait up to date with what happened (our push's answer, our pull's, its push's
         streams, its heartbeat); whether a transfer of its payload to us is moving now."""
-        if push.done() and not push.cancelled() and push.exception() is None and push.result() in _REFUSALS:
+        pushed = push.result() if push.done() and not push.cancelled() and push.exception() is None else None
+        if pushed in _REFUSALS:
             w.ended = w.ended or "refused"  # it refused us: it will not send either
-        if push.done() and not push.cancelled() and push.exception() is None and push.result() == "not served":
+        elif pushed == "not served":
             w.ended = w.ended or "no exchange"  # alive, and runs no exchange of this run: nothing will come
         if pull is not None and pull.done():
             w.pulling = False

@@ -115,6 +115,10 @@ async def haunt(
     pool = ThreadPoolExecutor(1)
     tensors = await asyncio.to_thread(poisoned_state, live, poison) if live is not None else None
     stats: dict[str, Any] = {"ghosts": [], "stored": 0, "refused": 0, "live": live is not None, "hellos": 0}
+
+    def seen(_peer: str) -> None:
+        stats["hellos"] += 1
+
     try:
         for i in range(n):
             path = folder / f"ghost{i}.id"
@@ -123,10 +127,6 @@ async def haunt(
             if live is not None:
                 own = await P2P.create(identity_path=str(path), initial_peers=[boot], host_maddrs=loopback)
                 lives.append(own)
-
-                def seen(_peer: str) -> None:
-                    stats["hellos"] += 1
-
                 await hello.serve(own, run_id, seen)
                 server = StateServer(run_id, copies=1000)
                 await RpcServer(own, run_id, Limits.from_network(live.network), pool).add(server.service())

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from locomm.compression.payload import Part, PayloadCodec
-from locomm.peer.transport.meter import NotServed
+from locomm.peer.transport.meter import NotServed, TransferCut, Unreachable
 from locomm.peer.transport.paths import PathLog
-from locomm.peer.transport.rpc import RpcServer, TransferCut, Unreachable
+from locomm.peer.transport.rpc import RpcServer
 from locomm.protocol.messages import ErrorCode
 
 log = logging.getLogger(__name__)
